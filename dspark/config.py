@@ -1,0 +1,190 @@
+"""Typed, frozen configuration for every part of dspark.
+
+`ModelConfig` mirrors the fields of a Hugging Face `config.json` for the Qwen3 and Llama
+decoder families (read with `ModelConfig.from_hf`, written with `to_hf`). `EngineConfig`
+says how the engine batches and caches. Device and dtype are configuration, never forks
+of the code: the same model runs on CPU float32 and CUDA bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "llama": "LlamaForCausalLM",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    """Map a dtype name ("float32", "bf16", ...) to a torch dtype, with a clear error."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> str:
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only target (Qwen3 or Llama family)."""
+
+    model_type: str = "qwen3"
+    vocab_size: int = 8192
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    max_position_embeddings: int = 1024
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.model_type!r}; dspark runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 normalises queries and keys per head before RoPE; Llama does not."""
+        return self.model_type == "qwen3"
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def num_parameters(self) -> int:
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q = self.num_attention_heads * self.head_dim
+        kv = self.num_key_value_heads * self.head_dim
+        attn = d * q + 2 * d * kv + q * d + (2 * self.head_dim if self.qk_norm else 0)
+        layer = attn + 3 * d * f + 2 * d
+        head = 0 if self.tie_word_embeddings else v * d
+        return v * d + self.num_hidden_layers * layer + d + head
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict; unknown keys are ignored."""
+        model_type = raw.get("model_type", "")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            archs = raw.get("architectures") or []
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r} architectures={archs}; "
+                f"dspark runs {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        scaling = raw.get("rope_scaling")
+        return cls(
+            model_type=model_type,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", False),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+        )
+
+    def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
+        """The Hugging Face config.json dict for this architecture."""
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        out: dict[str, Any] = {
+            "architectures": [SUPPORTED_ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+        if self.model_type == "llama":
+            out["mlp_bias"] = False
+        return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine batches, caches and where it runs.
+
+    `kv_cache_bytes` sizes the paged KV pool (a memory budget, as vLLM's
+    gpu_memory_utilization does); `num_kv_blocks`, when set, overrides it (tests use tiny
+    pools to force preemption).
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    block_size: int = 16
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    num_kv_blocks: int | None = None
+    device: str = field(default_factory=default_device)
+    dtype: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.dtype:
+            object.__setattr__(self, "dtype", default_dtype(self.device))
+        resolve_dtype(self.dtype)
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype)
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)

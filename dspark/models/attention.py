@@ -1,0 +1,109 @@
+"""Attention over a flattened variable-length batch that reads a paged KV cache.
+
+The engine concatenates the new tokens of many requests into one flat `[N]` batch (a
+prefill chunk of one request, the decode token of another, the anchor and draft tokens
+of a third). Projections run on the flat tensor; only attention regroups queries per
+request, because each request attends to its own cached keys with its own causal offset.
+
+`AttentionMetadata.build` is computed once per step and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where each flat token sits, and which cache slots each request attends to.
+
+    For R requests, N flat tokens, Q = max query length, K = max context length:
+    """
+
+    positions: torch.Tensor  # [N] absolute position of each new token
+    slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
+    query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
+    query_valid: torch.Tensor  # [R, Q] bool, False on padding
+    kv_slots: torch.Tensor  # [R, K] cache slot of request r's j-th context token (0 = pad)
+    mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
+
+    @staticmethod
+    def build(
+        query_lens: Sequence[int],
+        context_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """context_lens[r] counts the request's cached tokens *including* its new ones.
+
+        The new tokens of request r take positions context_lens[r]-query_lens[r] .. -1.
+        """
+        qlens = torch.tensor(query_lens, dtype=torch.long)
+        clens = torch.tensor(context_lens, dtype=torch.long)
+        if bool((qlens < 1).any()) or bool((clens < qlens).any()):
+            raise ValueError("every request needs >= 1 new token and context_len >= query_len")
+        num_q, num_k = int(qlens.max()), int(clens.max())
+        offs = torch.arange(num_q)
+        query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
+        starts = torch.cumsum(qlens, 0) - qlens
+        query_index = torch.where(query_valid, starts[:, None] + offs[None, :], 0)
+        qpos = (clens - qlens)[:, None] + offs[None, :]  # [R, Q]
+        positions = qpos[query_valid]  # [N]
+        width = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long)
+        keys = torch.arange(num_k)
+        kv_slots = tables[:, keys // block_size] * block_size + keys % block_size  # [R, K]
+        kv_valid = keys[None, :] < clens[:, None]
+        kv_slots = torch.where(kv_valid, kv_slots, 0)
+        slot_mapping = kv_slots.gather(1, torch.where(query_valid, qpos, 0))[query_valid]
+        mask = (keys[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :]
+        mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
+        return AttentionMetadata(
+            positions=positions.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_index=query_index.to(device),
+            query_valid=query_valid.to(device),
+            kv_slots=kv_slots.to(device),
+            mask=mask[:, None].to(device),
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+
+def paged_attention(
+    q: torch.Tensor,  # [N, H, D]
+    k: torch.Tensor,  # [N, Hkv, D]
+    v: torch.Tensor,  # [N, Hkv, D]
+    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [N, H, D]
+    """Write the new K/V into their slots, then attend each request to its own context."""
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    heads, kv_heads = q.shape[1], k.shape[1]
+    qp = q[meta.query_index].transpose(1, 2)  # [R, H, Q, D]
+    kp = k_cache[meta.kv_slots].transpose(1, 2)  # [R, Hkv, K, D]
+    vp = v_cache[meta.kv_slots].transpose(1, 2)
+    if heads != kv_heads:
+        kp = kp.repeat_interleave(heads // kv_heads, dim=1)
+        vp = vp.repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask)  # [R, H, Q, D]
+    return out.transpose(1, 2)[meta.query_valid]  # [N, H, D]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention for training: q [B, T, H, D], k/v [B, T, Hkv, D] -> [B, T, H, D]."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if heads != kv_heads:
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -1,0 +1,147 @@
+"""The target runtime: Qwen3 and Llama decoder families in one module.
+
+Two entry points share every weight:
+- `forward(input_ids [N], meta, kv_caches, logits_indices, taps)`: the serving path, a flat
+  batch of many requests' new tokens reading/writing the paged KV cache, returning logits
+  only where asked and the hidden states of the tapped layers (for the drafters);
+- `forward_dense(input_ids [B, T], taps)`: a plain causal pass for training and for the
+  drafters' online target features.
+
+Parameter names follow Hugging Face (`model.layers.0.self_attn.q_proj.weight`, ...), so a
+checkpoint loads with a plain `load_state_dict`. Qwen3 differs from Llama only by the
+per-head q/k RMSNorm (`ModelConfig.qk_norm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dspark.config import ModelConfig
+from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
+
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_slots, Hkv, D]
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [M, V] float32, one row per requested logits index
+    taps: torch.Tensor | None  # [N, len(taps) * d] hidden states of the tapped layers
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(d, self.heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.heads * hd, d, bias=bias)
+        self.qk_norm = cfg.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [..., d] -> q [..., H, D], k/v [..., Hkv, D] with q/k-norm and RoPE applied."""
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, meta: AttentionMetadata | None, kv: KVLayer | None) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        if meta is None:
+            out = causal_attention(q, k, v)
+        else:
+            assert kv is not None, "the flat path needs a KV cache"
+            out = paged_attention(q, k, v, kv[0], kv[1], meta)
+        return self.o_proj(out.flatten(-2))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, meta=None, kv=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+
+
+class CausalLM(nn.Module):
+    """A Qwen3/Llama causal language model (the target)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def _run_layers(self, x, positions, meta, kv_caches, taps: Sequence[int]):
+        cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
+        tapped = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, meta, kv_caches[i] if kv_caches is not None else None)
+            if i in taps:
+                tapped.append(x)
+        return x, (torch.cat(tapped, dim=-1) if taps else None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [N]
+        meta: AttentionMetadata,
+        kv_caches: Sequence[KVLayer],
+        logits_indices: torch.Tensor | None = None,  # [M] flat rows that need logits
+        taps: Sequence[int] = (),
+    ) -> ForwardOutput:
+        x = self.model.embed_tokens(input_ids)  # [N, d]
+        x, tapped = self._run_layers(x, meta.positions, meta, kv_caches, taps)
+        if logits_indices is not None:
+            x = x[logits_indices]
+        return ForwardOutput(logits=self.logits(x), taps=tapped)
+
+    def forward_dense(
+        self, input_ids: torch.Tensor, taps: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """input_ids [B, T] -> final-norm hidden [B, T, d], tapped hidden [B, T, m*d]."""
+        x = self.model.embed_tokens(input_ids)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x, tapped = self._run_layers(x, positions, None, None, taps)
+        return self.model.norm(x), tapped
+
+    def logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
+        """LM head in float32 (sampling and verification compare probabilities exactly)."""
+        h = hidden if normed else self.model.norm(hidden)
+        return self.lm_head(h).float()

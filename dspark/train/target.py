@@ -1,0 +1,172 @@
+"""`dspark train target --config FILE`: train the dspark-tiny target from scratch.
+
+AdamW with warm-up and cosine decay on windows of the three-domain corpus; a progress bar
+with loss and tokens/s; a checkpoint every few minutes; exact resume after a kill (run
+the same command again). At the end the model is exported in Hugging Face format.
+
+    dspark train target --config configs/target-tiny.toml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from tqdm import tqdm
+
+from dspark.config import ModelConfig
+from dspark.models.loader import save_model
+from dspark.models.qwen3 import CausalLM
+from dspark.train.checkpoint import append_log, cosine_lr, load_checkpoint, save_checkpoint
+from dspark.train.corpus import DOMAINS
+from dspark.train.tokens import WindowSampler, heldout_windows, load_streams
+
+
+@dataclass(frozen=True)
+class TargetTrainConfig:
+    tokens_dir: str = "~/.cache/dspark/tokens"
+    tokenizer_dir: str = "~/.cache/dspark/tokenizer"
+    run_dir: str = "~/.cache/dspark/runs/target"
+    export_dir: str = ""  # where the finished model is written (HF format)
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    max_position_embeddings: int = 1024
+    rope_theta: float = 10000.0
+    seq_len: int = 1024
+    batch_size: int = 4
+    max_steps: int = 2800
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 150
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    domain_weights: tuple[float, ...] = (0.35, 0.35, 0.30)  # math, code, chat
+    seed: int = 0
+    checkpoint_minutes: float = 4.0
+    eval_every: int = 200
+    eval_windows: int = 8
+    compile: bool = True
+    threads: int = 0  # 0: torch's default
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TargetTrainConfig:
+        raw = tomllib.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown keys in {path}: {sorted(unknown)}")
+        if "domain_weights" in raw:
+            raw["domain_weights"] = tuple(raw["domain_weights"])
+        return cls(**raw)
+
+    def model_config(self, vocab_size: int, eos: tuple[int, ...], bos: int | None) -> ModelConfig:
+        return ModelConfig(
+            model_type="qwen3", vocab_size=vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta, tie_word_embeddings=True, bos_token_id=bos, eos_token_id=eos,
+        )
+
+
+def lm_loss(net: CausalLM, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of batch [B, T+1]."""
+    hidden, _ = net.forward_dense(batch[:, :-1])
+    logits = net.logits(hidden, normed=True)
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+@torch.no_grad()
+def heldout_loss(net: CausalLM, streams, cfg: TargetTrainConfig) -> dict[str, float]:
+    net.eval()
+    out = {d: float(lm_loss(net, heldout_windows(streams[d], cfg.seq_len, cfg.eval_windows))) for d in DOMAINS}
+    net.train()
+    return out
+
+
+def build(cfg: TargetTrainConfig):
+    from dspark.models.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.from_dir(Path(cfg.tokenizer_dir).expanduser())
+    eos = tuple(i for i in (tok.token_id("<|im_end|>"), tok.token_id("<|endoftext|>")) if i is not None)
+    torch.manual_seed(cfg.seed)
+    net = CausalLM(cfg.model_config(tok.vocab_size, eos, None))
+    for name, p in net.named_parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.02 / (2 * cfg.num_hidden_layers) ** 0.5 if "o_proj" in name or "down_proj" in name else 0.02)
+    decay = [p for p in net.parameters() if p.dim() == 2]
+    no_decay = [p for p in net.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    return net, opt, tok
+
+
+def train(cfg: TargetTrainConfig) -> CausalLM:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    net, opt, tok = build(cfg)
+    state = load_checkpoint(cfg.run_dir)
+    step = 0
+    if state is not None:
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    train_streams, held_streams = load_streams(cfg.tokens_dir, "train"), load_streams(cfg.tokens_dir, "heldout")
+    sampler = WindowSampler(cfg.seq_len, cfg.batch_size, cfg.domain_weights, cfg.seed)
+    loss_fn = torch.compile(lm_loss) if cfg.compile else lm_loss
+    net.train()
+    last_save, t0, tokens = time.time(), time.time(), 0
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="target", dynamic_ncols=True)
+
+    def checkpoint() -> None:
+        save_checkpoint(cfg.run_dir, {"model": net.state_dict(), "optimizer": opt.state_dict(),
+                                      "step": step, "config": dataclasses.asdict(cfg)})
+
+    while step < cfg.max_steps:
+        lr = cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = loss_fn(net, sampler.batch(train_streams, step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tokens += cfg.batch_size * cfg.seq_len
+        tok_s = tokens / (time.time() - t0)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tok_s:.0f}", lr=f"{lr:.2e}")
+        row = {"step": step, "loss": loss.item(), "lr": lr, "tok_s": tok_s, "time": time.time()}
+        if step % cfg.eval_every == 0 or step == cfg.max_steps:
+            row["heldout"] = heldout_loss(net, held_streams, cfg)
+            bar.write(f"step {step} held-out loss " + " ".join(f"{d}={v:.3f}" for d, v in row["heldout"].items()))
+        append_log(cfg.run_dir, row)
+        if time.time() - last_save > cfg.checkpoint_minutes * 60 or step == cfg.max_steps:
+            checkpoint()
+            last_save = time.time()
+    bar.close()
+    if cfg.export_dir:
+        export(net, tok, cfg)
+    return net
+
+
+def export(net: CausalLM, tok, cfg: TargetTrainConfig) -> None:
+    """Write the finished model + tokenizer as a Hugging Face directory."""
+    import shutil
+
+    out = Path(cfg.export_dir).expanduser()
+    save_model(net, out, dtype="bfloat16", generation={"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20})
+    src = Path(cfg.tokenizer_dir).expanduser()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, out / name)

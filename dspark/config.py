@@ -103,9 +103,11 @@ class ModelConfig:
                 f"unsupported architecture model_type={model_type!r} architectures={archs}; "
                 f"dspark runs {sorted(SUPPORTED_ARCHITECTURES)}"
             )
+        if raw.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported by dspark")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
-        scaling = raw.get("rope_scaling")
+        theta, scaling = _rope(raw)
         return cls(
             model_type=model_type,
             vocab_size=raw["vocab_size"],
@@ -116,7 +118,7 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            rope_theta=raw.get("rope_theta", 10000.0),
+            rope_theta=theta,
             rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
@@ -128,6 +130,7 @@ class ModelConfig:
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict[str, Any]:
         """The Hugging Face config.json dict for this architecture."""
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling_dict or {})}
         out: dict[str, Any] = {
             "architectures": [SUPPORTED_ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -142,6 +145,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling_dict,
+            "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "attention_bias": self.attention_bias,
@@ -154,6 +158,14 @@ class ModelConfig:
         if self.model_type == "llama":
             out["mlp_bias"] = False
         return out
+
+
+def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the legacy keys or transformers v5 `rope_parameters`."""
+    params = dict(raw.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", raw.get("rope_theta", 10000.0))
+    scaling = raw.get("rope_scaling") or (params if params.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
 
 
 @dataclass(frozen=True)

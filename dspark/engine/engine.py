@@ -1,0 +1,177 @@
+"""The engine loop: `schedule -> runner.step -> update`, with continuous batching.
+
+Requests join (`add_request`) and leave (finish, abort) between steps. `step()` runs one
+flattened forward for every scheduled request and returns the requests that progressed,
+so callers can stream. Plain decoding lives here; speculative decoding plugs a drafter and
+a policy into the same loop (`spec/`), so the loop reads the same either way.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.config import EngineConfig
+from dspark.engine.request import Request, Status
+from dspark.engine.runner import ModelRunner, StepResult
+from dspark.engine.scheduler import Scheduler
+from dspark.kv_cache import PagedKVCache
+from dspark.models.qwen3 import CausalLM
+from dspark.models.tokenizer import TextTokenizer
+from dspark.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: dict
+    logprobs: list[dict] | None = None
+
+    def as_dict(self) -> dict:
+        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        return out
+
+
+class LLMEngine:
+    def __init__(self, model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, lookahead: int = 0) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        torch.manual_seed(cfg.seed)
+        if cfg.num_kv_blocks:
+            self.kv = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, model.device, model.dtype)
+        else:
+            self.kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
+        capacity = self.kv.pool.num_blocks * cfg.block_size - lookahead
+        self.max_model_len = min(cfg.max_model_len or model.config.max_position_embeddings, capacity)
+        self.scheduler = Scheduler(cfg, self.kv.pool, lookahead)
+        self.runner = ModelRunner(model, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests -------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise ValueError("a prompt is a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but the context holds {self.max_model_len} "
+                f"(at least one more is needed to generate)"
+            )
+        return ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; bad input raises ValueError and changes nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        ids = self.encode_prompt(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len, self.model.device)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, "abort")
+            req.stats.finish_time = time.perf_counter()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop -------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests that emitted tokens or finished."""
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return []
+        result = self.runner.step(plan.scheduled)
+        self.num_steps += 1
+        return self.update(plan.scheduled, result)
+
+    def update(self, scheduled, result: StepResult) -> list[Request]:
+        touched = []
+        now = time.perf_counter()
+        for s in scheduled:
+            req = s.request
+            self.scheduler.commit(req, result.num_computed[req.request_id])
+            tokens = result.tokens.get(req.request_id)
+            if tokens:
+                self.emit(req, tokens, result.logprobs.get(req.request_id), now)
+                touched.append(req)
+        return touched
+
+    def emit(self, req: Request, tokens: list[int], logprobs: list[dict] | None, now: float) -> None:
+        """Append tokens to req, applying stop ids, stop strings, max_tokens and context."""
+        if req.stats.first_token_time is None:
+            req.stats.first_token_time = now
+        req.stats.rounds += 1
+        reason = None
+        for i, tok in enumerate(tokens):
+            req.output_ids.append(tok)
+            req.stats.completion_tokens += 1
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[i])
+            reason = self._stop_reason(req, tok)
+            if reason:
+                break
+        if reason:
+            self.finish(req, reason, now)
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        if tok in req.stop_ids:
+            return "stop"
+        if req.params.stop:
+            text = self.tokenizer.decode(req.output_ids)
+            hits = [text.find(s) for s in req.params.stop if s in text]
+            if hits:
+                req.text, req.text_final = text[: min(hits)], True
+                return "stop"
+        if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str, now: float) -> None:
+        if not req.text_final:
+            req.text = self.tokenizer.decode(req.output_ids)
+        self.scheduler.finish(req, reason)
+        req.stats.finish_time = now
+
+    def output(self, req: Request) -> RequestOutput:
+        text = req.text if req.is_finished else self.tokenizer.decode(req.output_ids)
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_ids, text=text,
+            token_ids=list(req.output_ids), finish_reason=req.finish_reason, stats=req.stats.as_dict(),
+            logprobs=req.output_logprobs if req.params.logprobs is not None else None,
+        )
+
+    def run_until_done(self, requests: Sequence[Request]) -> list[RequestOutput]:
+        while any(r.status is not Status.FINISHED for r in requests):
+            self.step()
+        outs = [self.output(r) for r in requests]
+        for r in requests:
+            self.requests.pop(r.request_id, None)
+        return outs

@@ -1,0 +1,91 @@
+"""One engine step on the model: build the flat batch, run the target, sample.
+
+The runner touches tensors only, never queues: it receives the scheduler's choice, feeds
+each request's new tokens through one flattened target forward (`engine/batch.py`) and
+returns the tokens each request emits. Speculative steps (draft -> policy -> verify) are
+in `spec/round.py` and reuse `sampling_tensors` and `target_forward` from here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dspark.engine.batch import Batch, BatchRow
+from dspark.engine.request import Request
+from dspark.engine.scheduler import ScheduledRequest
+from dspark.kv_cache import PagedKVCache
+from dspark.models.qwen3 import CausalLM, ForwardOutput
+from dspark.sampling import probabilities, sample
+
+
+@dataclass
+class StepResult:
+    """Tokens emitted per request this step (absent: a prefill chunk that emits nothing)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[dict]] = field(default_factory=dict)
+    num_computed: dict[str, int] = field(default_factory=dict)  # KV length to keep per request
+    num_forward_tokens: int = 0
+
+
+def sampling_tensors(requests: Sequence[Request], repeats: Sequence[int], device) -> tuple[torch.Tensor, ...]:
+    """(temperature, top_p, top_k) [M] for logits rows, repeats[i] rows per request i."""
+    t = [r.params.temperature for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
+    p = [r.params.top_p for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
+    k = [r.params.top_k for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
+    return (torch.tensor(t, device=device, dtype=torch.float32), torch.tensor(p, device=device, dtype=torch.float32),
+            torch.tensor(k, device=device, dtype=torch.long))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict]:
+    """The target's log-probabilities of the emitted tokens (+ the top alternatives)."""
+    logp = logits.log_softmax(-1)
+    chosen = logp.gather(-1, tokens[:, None])[:, 0].tolist()
+    out = [{"token_id": int(t), "logprob": float(c)} for t, c in zip(tokens.tolist(), chosen, strict=True)]
+    if top > 0:
+        vals, ids = logp.topk(top, dim=-1)
+        for row, v, i in zip(out, vals.tolist(), ids.tolist(), strict=True):
+            row["top"] = list(zip(i, v, strict=True))
+    return out
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv: PagedKVCache) -> None:
+        self.model, self.kv = model, kv
+        self.device = model.device
+
+    @torch.inference_mode()
+    def target_forward(self, rows: Sequence[BatchRow], taps: Sequence[int] = ()) -> tuple[Batch, ForwardOutput]:
+        batch = Batch.build(rows, self.kv.pool, self.device)
+        out = self.model(batch.input_ids, batch.meta, self.kv.layers, batch.logits_indices, taps)
+        return batch, out
+
+    @torch.inference_mode()
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
+        """Plain decoding: feed each request's new tokens, sample one token where due."""
+        rows = []
+        for s in scheduled:
+            req = s.request
+            start = req.num_computed
+            rows.append(BatchRow(req.request_id, req.all_ids[start : start + s.num_new_tokens],
+                                 start + s.num_new_tokens, 1 if s.samples else 0))
+        result = StepResult()
+        if not rows:
+            return result
+        batch, out = self.target_forward(rows)
+        result.num_forward_tokens = batch.num_tokens
+        sampling = [s.request for s in scheduled if s.samples]
+        for s in scheduled:
+            result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
+        if not sampling:
+            return result
+        probs = probabilities(out.logits, *sampling_tensors(sampling, [1] * len(sampling), self.device))
+        tokens = sample(probs, [r.generator for r in sampling])
+        for i, req in enumerate(sampling):
+            result.tokens[req.request_id] = [int(tokens[i])]
+            if req.params.logprobs is not None:
+                result.logprobs[req.request_id] = token_logprobs(out.logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
+        return result

@@ -1,0 +1,42 @@
+"""The public Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
+
+    from dspark import LLM, SamplingParams
+    llm = LLM()  # the embedded dspark-tiny model
+    out = llm.generate(["Explain list comprehensions."], SamplingParams(temperature=0, max_tokens=64))
+    print(out[0].text, out[0].finish_reason, out[0].stats)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine, RequestOutput
+from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None, **engine_kwargs) -> None:
+        cfg = engine_config or EngineConfig(**engine_kwargs)
+        net, tokenizer = load_model(model, cfg.device, cfg.dtype)
+        self.engine = LLMEngine(net, tokenizer, cfg)
+        self.tokenizer = tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (batched together); all inputs are validated first."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        for prompt in prompts:
+            self.engine.encode_prompt(prompt)  # raises before anything is queued
+        requests = [self.engine.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        return self.engine.run_until_done(requests)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], params)[0]

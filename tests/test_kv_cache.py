@@ -1,0 +1,62 @@
+"""Property tests of the paged KV pool: no leaks, no sharing, truncate-then-append."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark.kv_cache import BlockPool, OutOfBlocks
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["append", "truncate", "free"]), st.integers(0, 4), st.integers(0, 20)),
+    max_size=60,
+)
+
+
+def check_invariants(pool: BlockPool) -> None:
+    live = [b for t in pool.tables.values() for b in t]
+    assert len(live) == len(set(live)), "a block is shared by two requests"
+    assert len(live) + pool.num_free_blocks == pool.num_blocks, "blocks leaked"
+    assert not set(live) & set(pool._free), "a live block is also free"
+    for seq, table in pool.tables.items():
+        assert len(table) == pool.blocks_needed(pool.lengths[seq])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops, st.integers(1, 8), st.integers(1, 30))
+def test_random_operations_keep_invariants(operations, block_size, num_blocks):
+    pool = BlockPool(num_blocks, block_size)
+    for op, seq, n in operations:
+        if op == "append":
+            before = (dict(pool.lengths), pool.num_free_blocks)
+            try:
+                pool.append(seq, n)
+            except OutOfBlocks:
+                assert (dict(pool.lengths), pool.num_free_blocks) == before  # all-or-nothing
+        elif op == "truncate":
+            pool.truncate(seq, min(n, pool.length(seq)))
+        else:
+            pool.free(seq)
+        check_invariants(pool)
+    for seq in list(pool.tables):
+        pool.free(seq)
+    assert pool.num_free_blocks == num_blocks
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(0, 40), st.integers(0, 40), st.integers(0, 40))
+def test_truncate_then_append_equals_never_appended(block_size, base, extra, later):
+    a, b = BlockPool(256, block_size), BlockPool(256, block_size)
+    a.append("r", base + extra)
+    a.truncate("r", base)
+    a.append("r", later)
+    b.append("r", base)
+    b.append("r", later)
+    assert a.length("r") == b.length("r") == base + later
+    assert len(a.block_table("r")) == len(b.block_table("r"))
+    assert a.num_free_blocks == b.num_free_blocks
+    # the first blocks (holding the kept prefix) are unchanged by the rollback
+    kept = a.blocks_needed(base)
+    c = BlockPool(256, block_size)
+    c.append("r", base + extra)
+    assert a.block_table("r")[:kept] == c.block_table("r")[:kept]

@@ -1,0 +1,1 @@
+"""The target runtime: Qwen3/Llama decoders, paged attention, loader and tokenizer."""

@@ -1,0 +1,1 @@
+"""Training: corpus, tokenizer, target and drafters, with exact resume."""

@@ -93,9 +93,12 @@ def function_tasks(source: str) -> Iterator[tuple[str, str]]:
         first = node.body[0]
         head = "\n".join(lines[node.lineno - 1 : (first.end_lineno or node.lineno)])
         indent = len(lines[node.lineno - 1]) - len(lines[node.lineno - 1].lstrip())
-        strip = lambda s: "\n".join(ln[indent:] for ln in s.splitlines())  # noqa: E731
-        prompt = f"Complete the following Python function:\n```python\n{strip(head)}\n```"
-        yield prompt, f"```python\n{strip(body)}\n```"
+        prompt = f"Complete the following Python function:\n```python\n{_dedent(head, indent)}\n```"
+        yield prompt, f"```python\n{_dedent(body, indent)}\n```"
+
+
+def _dedent(text: str, indent: int) -> str:
+    return "\n".join(line[indent:] for line in text.splitlines())
 
 
 def code_records(cfg: CorpusConfig) -> Iterator[dict]:

@@ -1,0 +1,90 @@
+"""The `dspark` command line (also `python -m dspark`).
+
+    dspark generate [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
+                    [--seed S] [--chat] [--json] PROMPT
+    dspark train corpus|tokenizer|target ...
+    dspark bench decode ...
+
+Each subcommand's work lives in its own module; this file only parses arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local HF-format directory or 'dspark-tiny' (default)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: by device)")
+
+
+def engine_config(args: argparse.Namespace, **extra):
+    from dspark.config import EngineConfig, default_device
+
+    return EngineConfig(device=args.device or default_device(), dtype=args.dtype, **extra)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    llm = LLM(args.model, engine_config(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    out = llm.generate([prompt], params)[0]
+    if args.json:
+        print(json.dumps(out.as_dict()))
+    else:
+        print(out.text)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from dspark.train import commands
+
+    return commands.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    add_engine_args(g)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason and stats as JSON")
+    g.add_argument("prompt")
+    g.set_defaults(func=cmd_generate)
+
+    from dspark.train.commands import add_parser as add_train
+
+    add_train(sub.add_parser("train", help="build the corpus, tokenizer, target and drafters"))
+
+    from dspark.bench.commands import add_parser as add_bench
+
+    add_bench(sub.add_parser("bench", help="benchmarks that write docs/results/"))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"dspark: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

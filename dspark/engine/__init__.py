@@ -1,0 +1,1 @@
+"""The serving engine: requests, scheduler, flat-batch runner and the engine loop."""

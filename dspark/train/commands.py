@@ -1,9 +1,10 @@
-"""`dspark train ...` subcommands: corpus, tokenizer, target (drafters join in [D]).
+"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target (drafters join in [D]).
 
     dspark train corpus --out ~/.cache/dspark/corpus
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \
         --tokens ~/.cache/dspark/tokens
     dspark train target --config configs/target-tiny.toml
+    dspark train eval-target --model ~/.cache/dspark/export/dspark-tiny-target --out eval.json
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     m = sub.add_parser("target", help="train the target (resumes from its run directory)")
     m.add_argument("--config", required=True)
     m.set_defaults(func=run_target)
+    e = sub.add_parser("eval-target", help="held-out loss, loop rate and samples of a target (model card)")
+    e.add_argument("--model", required=True)
+    e.add_argument("--corpus", default="~/.cache/dspark/corpus")
+    e.add_argument("--tokens", default="~/.cache/dspark/tokens")
+    e.add_argument("--num-prompts", type=int, default=50)
+    e.add_argument("--max-tokens", type=int, default=256)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--out", default=None, help="write the results as JSON here")
+    e.set_defaults(func=run_eval_target)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,4 +72,18 @@ def run_target(args: argparse.Namespace) -> int:
     from dspark.train.target import TargetTrainConfig, train
 
     train(TargetTrainConfig.from_file(args.config))
+    return 0
+
+
+def run_eval_target(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dspark.bench.report import stamp
+    from dspark.train.evaluate import EvalSettings, evaluate, render_markdown
+
+    settings = EvalSettings(num_prompts=args.num_prompts, max_tokens=args.max_tokens, device=args.device)
+    result = {**stamp(), **evaluate(args.model, args.corpus, args.tokens, settings)}
+    if args.out:
+        Path(args.out).expanduser().write_text(json.dumps(result, indent=2))
+    print(render_markdown(result))
     return 0

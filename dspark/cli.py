@@ -2,6 +2,7 @@
 
     dspark generate [--model PATH] [--temperature T] [--top-p P] [--top-k K] [--max-tokens N]
                     [--seed S] [--chat] [--json] PROMPT
+    dspark serve [--model PATH] [--drafter NAME] [--policy P] [--host H] [--port N] ...
     dspark train corpus|tokenizer|target ...
     dspark bench decode ...
 
@@ -66,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason and stats as JSON")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)
+
+    from dspark.server.commands import add_parser as add_serve
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    add_engine_args(s)
+    add_serve(s)
 
     from dspark.train.commands import add_parser as add_train
 

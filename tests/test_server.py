@@ -1,0 +1,263 @@
+"""The OpenAI-compatible server on a real uvicorn (loopback, background thread).
+
+The official `openai` client for both endpoints, streamed and not; streamed text equals the
+non-streamed text; logprobs shapes; stop strings; errors (400/404/503) in OpenAI's shape;
+disconnects and a raising engine step free their KV blocks; `dspark serve` wiring.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from dspark.cli import build_parser  # noqa: E402
+from dspark.config import EngineConfig  # noqa: E402
+from dspark.engine.engine import LLMEngine  # noqa: E402
+from dspark.models.loader import load_model  # noqa: E402
+from dspark.server.app import ServeSettings, create_app  # noqa: E402
+from dspark.server.launch import ServerThread, build_engine  # noqa: E402
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Explain list comprehensions."}]
+
+
+def make_server(path: Path, max_waiting: int | None = 256, **engine_kw) -> ServerThread:
+    net, tok = load_model(path)
+    cfg = dict(device="cpu", num_kv_blocks=256, max_num_batched_tokens=512)
+    cfg.update(engine_kw)
+    app = create_app(LLMEngine(net, tok, EngineConfig(**cfg)), ServeSettings(model_name=MODEL, max_waiting=max_waiting))
+    return ServerThread(app).start()
+
+
+def state(srv: ServerThread):
+    return srv.server.config.app.state
+
+
+def wait_idle(srv: ServerThread, timeout_s: float = 20.0) -> int:
+    """Wait until no request is in flight; -> KV blocks still used (read on the engine thread)."""
+    aengine = state(srv).aengine
+    deadline = time.monotonic() + timeout_s
+    while aengine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert aengine.num_in_flight == 0, "requests still in flight"
+    return aengine.call(lambda e: e.kv.pool.num_used_blocks).result(timeout=10)
+
+
+def metric(srv: ServerThread, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir):
+    srv = make_server(qwen3_dir)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+
+
+def sse_stream(url: str, path: str, body: dict) -> list[dict]:
+    """POST with stream=True; -> the parsed `data:` chunks (the last must be [DONE])."""
+    chunks = []
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    return chunks
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=11)])
+def test_openai_client_completions(client, sampling):
+    full = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, **sampling)
+    assert full.object == "text_completion" and full.choices[0].finish_reason in ("stop", "length")
+    assert full.usage.completion_tokens >= 1 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    usage = full.usage.model_dump()
+    assert usage["tau"] == 1.0 and usage["draft_tokens"] == usage["accepted_tokens"] == 0
+    stream = client.completions.create(model=MODEL, prompt="def add(a, b):", max_tokens=12, stream=True, **sampling)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=1.0, seed=5)])
+def test_openai_client_chat(client, sampling):
+    full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, **sampling)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True}, **sampling)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt="hello", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("dspark_requests_running", "dspark_requests_waiting", "dspark_prompt_tokens_total",
+                 "dspark_generation_tokens_total", "dspark_draft_tokens_total", "dspark_verified_tokens_total",
+                 "dspark_accepted_tokens_total", "dspark_verification_budget_tokens_bucket",
+                 "dspark_mean_accepted_length", "dspark_time_to_first_token_seconds_bucket",
+                 "dspark_inter_token_latency_seconds_bucket", "dspark_kv_blocks_used", "dspark_kv_blocks_free"):
+        assert name in text, name
+    assert metric(server, "dspark_generation_tokens_total") >= 4
+    assert metric(server, "dspark_mean_accepted_length") == 1.0  # plain decoding: tau = 1
+
+
+def test_logprobs(server, client):
+    out = client.completions.create(model=MODEL, prompt="The quick", max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == out.usage.completion_tokens
+    assert all(0 < len(top) <= 3 for top in lp.top_logprobs) and all(x <= 0 for x in lp.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    chunks = sse_stream(server.url, "/v1/completions", dict(prompt="The quick", max_tokens=6, temperature=0, logprobs=3))
+    streamed = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == pytest.approx(lp.token_logprobs)
+
+
+def test_stop_string_streams_like_full(server, client):
+    base = client.completions.create(model=MODEL, prompt="Natalia sold", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = next((base[i:i + 2] for i in range(4, len(base) - 2) if base[i:i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("the random model produced no usable stop string")
+    body = dict(prompt="Natalia sold", max_tokens=16, temperature=0, stop=[stop, "zzzz"], ignore_eos=True)
+    full = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]
+    assert full["finish_reason"] == "stop" and stop not in full["text"] and base.startswith(full["text"])
+    chunks = sse_stream(server.url, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == full["text"]
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
+    ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "temperature": 7}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 300}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "word " * 400}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [10**6]}, 400, "prompt"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+
+
+def test_openai_client_sees_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
+    body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
+    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert wait_idle(server) == 0
+    assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_non_streamed_disconnect_aborts(server):
+    aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
+    body = dict(prompt="The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    assert wait_idle(server) == 0
+    assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+def test_full_queue_gets_503_with_retry_after(qwen3_dir):
+    srv = make_server(qwen3_dir, max_waiting=1, max_num_seqs=1)
+    body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
+    try:
+        with httpx.Client(base_url=srv.url) as c, c.stream("POST", "/v1/completions", json=body) as a, \
+                c.stream("POST", "/v1/completions", json=body) as b:
+            assert a.status_code == b.status_code == 200  # one running, one waiting
+            r = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False))
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "queue_full"
+        assert wait_idle(srv) == 0
+        assert httpx.post(srv.url + "/v1/completions", json=dict(prompt="hi", max_tokens=2)).status_code == 200
+    finally:
+        srv.stop()
+
+
+def test_raising_step_fails_its_requests_and_serving_goes_on(qwen3_dir):
+    srv = make_server(qwen3_dir)
+    aengine = state(srv).aengine
+    try:
+        def break_next_step(engine):
+            real = engine.runner.step
+
+            def step(*args, **kwargs):
+                engine.runner.step = real  # only this one step fails
+                raise RuntimeError("injected fault")
+
+            engine.runner.step = step
+
+        aengine.call(break_next_step).result(timeout=10)
+        r = httpx.post(srv.url + "/v1/completions", json=dict(prompt="hello", max_tokens=4), timeout=30)
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        aengine.call(break_next_step).result(timeout=10)
+        chunks = sse_stream(srv.url, "/v1/chat/completions", dict(messages=CHAT, max_tokens=4))
+        assert "injected fault" in chunks[-1]["error"]["message"]
+        assert wait_idle(srv) == 0
+        ok = httpx.post(srv.url + "/v1/completions", json=dict(prompt="hello", max_tokens=4), timeout=30)
+        assert ok.status_code == 200 and httpx.get(srv.url + "/health").status_code == 200
+        assert metric(srv, "dspark_engine_step_errors_total") == 2
+    finally:
+        srv.stop()
+
+
+def test_serve_arguments_build_the_engine(qwen3_dir):
+    args = build_parser().parse_args(["serve", "--model", str(qwen3_dir), "--device", "cpu", "--policy", "static:3",
+                                      "--drafter", "dspark", "--max-num-seqs", "8", "--num-kv-blocks", "32"])
+    assert (args.policy, args.drafter, args.max_waiting, args.port) == ("static:3", "dspark", 256, 8000)
+    engine = build_engine(args)
+    assert engine.cfg.max_num_seqs == 8 and engine.kv.pool.num_blocks == 32
+    for bad in (["--policy", "fastest"], ["--policy", "threshold:2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", *bad])

@@ -79,6 +79,11 @@ class BlockPool:
     def block_table(self, seq: Hashable) -> list[int]:
         return self.tables.get(seq, [])
 
+    def slots(self, seq: Hashable, start: int, n: int) -> list[int]:
+        """Cache slots of positions start .. start+n-1 of `seq` (already appended)."""
+        table, bs = self.tables[seq], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -86,7 +91,10 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 class PagedKVCache:
-    """Per-layer K/V tensors [num_blocks * block_size, Hkv, D] plus their BlockPool."""
+    """Per-layer K/V tensors [num_blocks * block_size, Hkv, D] plus their BlockPool.
+
+    `cfg` gives the layer count and K/V shape; drafters pass their own (smaller) config.
+    """
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -97,6 +105,7 @@ class PagedKVCache:
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
             for _ in range(cfg.num_hidden_layers)
         ]
+        self.bytes = 2 * len(self.layers) * slots * cfg.num_key_value_heads * cfg.head_dim * self.layers[0][0].element_size() if self.layers else 0
 
     @classmethod
     def from_budget(cls, cfg: ModelConfig, budget_bytes: int, block_size: int,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.config import EngineConfig
+from dspark.drafters.base import Drafter
 from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner, StepResult
 from dspark.engine.scheduler import Scheduler
@@ -23,6 +24,9 @@ from dspark.kv_cache import PagedKVCache
 from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
+from dspark.spec.profile import StepProfile
+from dspark.spec.round import GateConfig, SpecRunner
+from dspark.spec.schedule import NoSpeculation, make_policy
 
 
 @dataclass
@@ -43,20 +47,34 @@ class RequestOutput:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, lookahead: int = 0) -> None:
+    """Continuous-batching engine; with a drafter and a policy other than `none` it decodes
+    speculatively (spec/round.py), otherwise plainly (engine/runner.py)."""
+
+    def __init__(self, model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig,
+                 drafter: Drafter | None = None, policy: str = "none", profile: StepProfile | None = None,
+                 gate: GateConfig | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
         torch.manual_seed(cfg.seed)
         if cfg.num_kv_blocks:
             self.kv = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, model.device, model.dtype)
         else:
             self.kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
+        self.policy = make_policy(policy)
+        speculative = drafter is not None and not isinstance(self.policy, NoSpeculation)
+        lookahead = drafter.gamma if speculative else 0
         capacity = self.kv.pool.num_blocks * cfg.block_size - lookahead
         self.max_model_len = min(cfg.max_model_len or model.config.max_position_embeddings, capacity)
         self.scheduler = Scheduler(cfg, self.kv.pool, lookahead)
-        self.runner = ModelRunner(model, self.kv)
+        self.runner: ModelRunner | SpecRunner = ModelRunner(model, self.kv)
+        self.drafter = drafter
+        if speculative:
+            assert drafter is not None
+            drafter.bind(model, self.kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)
+            self.runner = SpecRunner(self.runner, drafter, self.policy, profile, gate)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.num_steps = 0
+        self.totals: dict[str, float] = {}
 
     # ---- requests -------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
@@ -97,6 +115,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, "abort")
+            self.runner.release(request_id)
             req.stats.finish_time = time.perf_counter()
 
     def has_unfinished(self) -> bool:
@@ -106,18 +125,24 @@ class LLMEngine:
     def step(self) -> list[Request]:
         """One engine step; returns the requests that emitted tokens or finished."""
         plan = self.scheduler.schedule()
+        for req in plan.preempted:
+            self.runner.release(req.request_id)
         if not plan.scheduled:
             return []
         result = self.runner.step(plan.scheduled)
         self.num_steps += 1
+        self.last_step = result
         return self.update(plan.scheduled, result)
 
     def update(self, scheduled, result: StepResult) -> list[Request]:
         touched = []
         now = time.perf_counter()
+        for key, seconds in result.times.items():
+            self.totals[key] = self.totals.get(key, 0.0) + seconds
         for s in scheduled:
             req = s.request
             self.scheduler.commit(req, result.num_computed[req.request_id])
+            record_speculation(req, result)
             tokens = result.tokens.get(req.request_id)
             if tokens:
                 self.emit(req, tokens, result.logprobs.get(req.request_id), now)
@@ -158,6 +183,7 @@ class LLMEngine:
         if not req.text_final:
             req.text = self.tokenizer.decode(req.output_ids)
         self.scheduler.finish(req, reason)
+        self.runner.release(req.request_id)
         req.stats.finish_time = now
 
     def output(self, req: Request) -> RequestOutput:
@@ -175,3 +201,21 @@ class LLMEngine:
         for r in requests:
             self.requests.pop(r.request_id, None)
         return outs
+
+
+def record_speculation(req: Request, result: StepResult) -> None:
+    """Fold one step's draft/verify/accept counts and time split into the request's stats."""
+    st, rid = req.stats, req.request_id
+    st.draft_tokens += result.drafted.get(rid, 0)
+    ell, n = result.verified.get(rid, 0), result.accepted.get(rid, 0)
+    st.verified_tokens += ell
+    st.accepted_tokens += n
+    if ell:
+        width = max(ell, len(st.verified_per_position))
+        st.verified_per_position += [0] * (width - len(st.verified_per_position))
+        st.accepted_per_position += [0] * (width - len(st.accepted_per_position))
+        for k in range(min(n + 1, ell)):
+            st.verified_per_position[k] += 1
+            st.accepted_per_position[k] += 1 if k < n else 0
+    for key, seconds in result.times.items():
+        st.step_seconds[key] = st.step_seconds.get(key, 0.0) + seconds

@@ -39,9 +39,10 @@ class RequestStats:
     draft_tokens: int = 0  # proposed by the drafter
     verified_tokens: int = 0  # sent to the target for verification (sum of l_r)
     accepted_tokens: int = 0  # draft tokens accepted
-    accepted_per_position: list[int] = field(default_factory=list)
-    verified_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position k
+    verified_per_position: list[int] = field(default_factory=list)  # tried at k (verified, prefix accepted)
     preemptions: int = 0
+    step_seconds: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept
 
     @property
     def tau(self) -> float:
@@ -69,6 +70,9 @@ class RequestStats:
             "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "preemptions": self.preemptions,
+            "accepted_per_position": list(self.accepted_per_position),
+            "verified_per_position": list(self.verified_per_position),
+            "step_seconds": {k: round(v, 6) for k, v in self.step_seconds.items()},
             "ttft_s": None if self.ttft is None else round(self.ttft, 6),
             "latency_s": None if self.finish_time is None else round(self.finish_time - self.arrival_time, 6),
             "decode_tokens_per_s": self.decode_tokens_per_s,

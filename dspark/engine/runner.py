@@ -29,6 +29,11 @@ class StepResult:
     logprobs: dict[str, list[dict]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)  # KV length to keep per request
     num_forward_tokens: int = 0
+    # speculative bookkeeping (empty under plain decoding)
+    drafted: dict[str, int] = field(default_factory=dict)  # draft tokens proposed per request
+    verified: dict[str, int] = field(default_factory=dict)  # l_r per request
+    accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per request
+    times: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept seconds
 
 
 def sampling_tensors(requests: Sequence[Request], repeats: Sequence[int], device) -> tuple[torch.Tensor, ...]:
@@ -62,6 +67,9 @@ class ModelRunner:
         batch = Batch.build(rows, self.kv.pool, self.device)
         out = self.model(batch.input_ids, batch.meta, self.kv.layers, batch.logits_indices, taps)
         return batch, out
+
+    def release(self, seq_id: str) -> None:
+        """A request finished or was preempted; plain decoding keeps no extra state."""
 
     @torch.inference_mode()
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:

@@ -38,10 +38,13 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str,
+        causal: bool = True,
     ) -> AttentionMetadata:
         """context_lens[r] counts the request's cached tokens *including* its new ones.
 
         The new tokens of request r take positions context_lens[r]-query_lens[r] .. -1.
+        With causal=False the new tokens also see each other in both directions (a draft
+        block attending bidirectionally within itself, after its injected context).
         """
         qlens = torch.tensor(query_lens, dtype=torch.long)
         clens = torch.tensor(context_lens, dtype=torch.long)
@@ -61,7 +64,9 @@ class AttentionMetadata:
         kv_valid = keys[None, :] < clens[:, None]
         kv_slots = torch.where(kv_valid, kv_slots, 0)
         slot_mapping = kv_slots.gather(1, torch.where(query_valid, qpos, 0))[query_valid]
-        mask = (keys[None, None, :] <= qpos[:, :, None]) & kv_valid[:, None, :]
+        mask = kv_valid[:, None, :].expand(-1, num_q, -1)
+        if causal:
+            mask = mask & (keys[None, None, :] <= qpos[:, :, None])
         mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
         return AttentionMetadata(
             positions=positions.to(device),

@@ -1,0 +1,104 @@
+"""The KV-injected parallel backbone shared by DSpark and DFlash (DESIGN.md §3.1).
+
+Context features `H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])` are never run through the
+layers: each layer projects them to keys/values (`context_kv`) that the block's queries
+attend to, together with the block's own keys/values. The block (anchor-first:
+`[x0, mask, ..., mask]`, gamma slots) is bidirectional within itself and sees only context
+before the anchor. Two attention paths share every weight:
+- serving: context K/V live in a paged cache per request (written by `write_context`), the
+  block is a flat batch attending through `paged_attention` with a non-causal mask;
+- training: dense tensors with an explicit mask (`forward_dense`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dspark.config import ModelConfig
+from dspark.drafters.base import DrafterConfig
+from dspark.models.attention import AttentionMetadata
+from dspark.models.layers import RMSNorm, Rotary, apply_rope
+from dspark.models.qwen3 import DecoderLayer, KVLayer
+
+
+def layer_config(cfg: DrafterConfig, num_layers: int | None = None) -> ModelConfig:
+    """The drafter's layers are target-family (Qwen3) decoder layers of the same width."""
+    return ModelConfig(
+        model_type="qwen3", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size, num_hidden_layers=num_layers or cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+    )
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: DrafterConfig) -> None:
+        super().__init__()
+        lc = layer_config(cfg)
+        self.fc = nn.Linear(len(cfg.taps) * cfg.hidden_size, cfg.hidden_size, bias=False)  # W_c
+        self.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None)
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Tapped target hidden states [..., m*d] -> H_ctx [..., d]."""
+        return self.ctx_norm(self.fc(taps))
+
+    def context_kv(self, layer: DecoderLayer, h_ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """H_ctx [..., d] -> K [..., Hkv, D] (k-norm, RoPE at the context positions), V."""
+        attn = layer.self_attn
+        lead = h_ctx.shape[:-1]
+        k = attn.k_proj(h_ctx).view(*lead, attn.kv_heads, attn.head_dim)
+        v = attn.v_proj(h_ctx).view(*lead, attn.kv_heads, attn.head_dim)
+        if attn.qk_norm:
+            k = attn.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+    # ---- serving path ------------------------------------------------------------------
+    def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                      cache: list[KVLayer]) -> None:
+        """Project H_ctx [N, d] at positions [N] into every layer's cache slots [N]."""
+        cos, sin = self.rotary.cos_sin(positions, h_ctx.dtype)
+        for layer, (kc, vc) in zip(self.layers, cache, strict=True):
+            k, v = self.context_kv(layer, h_ctx, cos, sin)
+            kc[slots] = k
+            vc[slots] = v
+
+    def forward_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer]) -> torch.Tensor:
+        """Block embeddings x [N, d] (non-causal meta) -> final-normed hidden [N, d]."""
+        cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
+        for layer, kv in zip(self.layers, cache, strict=True):
+            x = layer(x, cos, sin, meta, kv)
+        return self.norm(x)
+
+    # ---- training path -----------------------------------------------------------------
+    def forward_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """x [B, Q, d] block embeddings at positions block_pos [B, Q]; h_ctx [B, T, d];
+        mask [B, 1, Q, T+Q] (True = attend) -> final-normed hidden [B, Q, d]."""
+        ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)
+        ccos, csin = self.rotary.cos_sin(ctx_pos, x.dtype)
+        bcos, bsin = self.rotary.cos_sin(block_pos, x.dtype)
+        for layer in self.layers:
+            ck, cv = self.context_kv(layer, h_ctx, ccos, csin)
+            x = layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask)
+        return self.norm(x)
+
+
+def layer_with_prefix(layer: DecoderLayer, x: torch.Tensor, cos, sin, prefix_k: torch.Tensor,
+                      prefix_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer whose queries x [B, Q, d] attend to [prefix K/V [B, P, Hkv, D] ; own K/V]
+    under mask [B, 1, Q, P+Q] (True = attend). The dense training form of KV injection."""
+    attn = layer.self_attn
+    q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+    keys, values = torch.cat([prefix_k, k], dim=1), torch.cat([prefix_v, v], dim=1)
+    rep = attn.heads // attn.kv_heads
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(rep, 1),
+        values.transpose(1, 2).repeat_interleave(rep, 1), attn_mask=mask,
+    ).transpose(1, 2)
+    x = x + attn.o_proj(out.flatten(-2))
+    return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,0 +1,150 @@
+"""The drafter interface the engine calls, and the config every drafter checkpoint carries.
+
+A drafter keeps per-request state (its own caches of the target's context features) and
+offers four calls, all batched over the running requests:
+- `extend(rows)`: context features (tapped target hidden states) of newly committed tokens;
+- `propose(inputs, sampling)`: a `DraftBlock` of gamma tokens per request, the draft
+  distribution each was sampled from, and a confidence per position where it has a head;
+- `rollback(seq_id, length)`: forget context past `length` (rejected or preempted tokens);
+- `free(seq_id)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram")
+HEADS = ("markov", "gated", "rnn", "none")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    kind: str = "dspark"
+    gamma: int = 7
+    taps: tuple[int, ...] = ()  # target layers whose outputs form the context features
+    num_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    vocab_size: int = 8192
+    mask_token_id: int = 0
+    head: str = "markov"  # sequential head: markov | gated | rnn | none
+    rank: int = 64  # low rank r of the sequential head
+    confidence: bool = True
+    sts_temperatures: tuple[float, ...] = ()  # per-position STS temperatures (empty: raw)
+    ngram_max: int = 4  # n-gram drafter: longest suffix matched
+    ngram_min: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown drafter kind {self.kind!r}; expected one of {KINDS}")
+        if self.head not in HEADS:
+            raise ValueError(f"unknown sequential head {self.head!r}; expected one of {HEADS}")
+        if self.gamma < 1:
+            raise ValueError("gamma must be >= 1")
+        if self.confidence and self.head == "none":
+            raise ValueError("the confidence head reads the sequential head's W1: it needs a head")
+        object.__setattr__(self, "taps", tuple(self.taps))
+        object.__setattr__(self, "sts_temperatures", tuple(self.sts_temperatures))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> DrafterConfig:
+        raw: dict[str, Any] = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    def replace(self, **changes: Any) -> DrafterConfig:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class DraftBlock:
+    """gamma draft tokens per request, in request order of the `propose` call."""
+
+    tokens: torch.Tensor  # [R, gamma] long, x_1..x_gamma
+    probs: torch.Tensor  # [R, gamma, V] float32, the distribution each x_k was sampled from
+    confidence: torch.Tensor | None = None  # [R, gamma] in (0, 1): P(x_k accepted | prefix accepted)
+    num_valid: list[int] | None = None  # per request, how many positions are real proposals
+
+
+@dataclass(frozen=True)
+class ContextRow:
+    """Newly committed tokens of one request and their tapped target features."""
+
+    seq_id: str
+    start: int  # position of the first of these tokens
+    token_ids: Sequence[int]  # [n]
+    features: torch.Tensor | None  # [n, m*d] tapped hidden states (None for weight-free drafters)
+
+
+@dataclass(frozen=True)
+class ProposeInput:
+    seq_id: str
+    anchor: int  # x0: the last emitted token, not yet in any cache
+    context_len: int  # committed tokens before the anchor (= the anchor's position)
+    history: Sequence[int]  # all tokens before the anchor (prompt + output); n-gram uses it
+    generator: torch.Generator | None = None
+
+
+class Drafter(ABC):
+    """Base class: subclasses hold weights (torch modules) or none (n-gram)."""
+
+    config: DrafterConfig
+
+    @property
+    def gamma(self) -> int:
+        return self.config.gamma
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return self.config.taps
+
+    @property
+    def has_confidence(self) -> bool:
+        return False
+
+    def bind(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None:  # noqa: B027
+        """Attach the (frozen) target and allocate caches; weight-free drafters need nothing."""
+
+    @abstractmethod
+    def extend(self, rows: Sequence[ContextRow]) -> None: ...
+
+    @abstractmethod
+    def propose(self, inputs: Sequence[ProposeInput], temperature: torch.Tensor, top_p: torch.Tensor,
+                top_k: torch.Tensor) -> DraftBlock: ...
+
+    @abstractmethod
+    def rollback(self, seq_id: str, length: int) -> None: ...
+
+    @abstractmethod
+    def free(self, seq_id: str) -> None: ...
+
+    def cache_bytes_in_use(self) -> int:
+        return 0
+
+
+def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | Path) -> None:
+    """config.json + model.safetensors (only the drafter's own weights)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config.to_json())
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    if state:
+        save_file(state, str(out / "model.safetensors"))

@@ -1,0 +1,120 @@
+"""The DSpark drafter (and DFlash, the same backbone without heads).
+
+One parallel backbone pass over the anchor-first block `[x0, mask, ..., mask]` gives base
+logits U_1..U_gamma; the sequential head then samples left to right from
+softmax((U_k + B_k) / T) with top-p/top-k, and the confidence head scores each position
+from [h_k; W1[x_{k-1}]] (DESIGN.md §3.1). `train_forward` is the teacher-forced version
+used by training; `propose` is what the engine calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dspark.drafters.backbone import Backbone
+from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
+from dspark.drafters.heads import ConfidenceHead, SequentialHead, apply_sts
+from dspark.drafters.neural import NeuralDrafter
+from dspark.models.attention import AttentionMetadata
+from dspark.sampling import probabilities, sample
+
+
+class DSparkDrafter(NeuralDrafter):
+    def __init__(self, config: DrafterConfig) -> None:
+        super().__init__(config)
+        self.cache_layers = config.num_layers
+        self.backbone = Backbone(config)
+        self.head = SequentialHead(config.head, config.vocab_size, config.rank, config.hidden_size) \
+            if config.head != "none" else None
+        self.conf = ConfidenceHead(config.hidden_size, config.rank) if config.confidence else None
+
+    @property
+    def has_confidence(self) -> bool:
+        return self.conf is not None
+
+    # ---- serving ----------------------------------------------------------------------
+    def write_context(self, rows: Sequence[ContextRow]) -> None:
+        feats = torch.cat([r.features for r in rows]).to(self.target.dtype)  # [N, m*d]
+        slots, positions = self.slots_and_positions(rows)
+        self.backbone.write_context(self.backbone.context(feats), positions, slots, self.cache.layers)
+
+    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [...] -> block token ids [..., gamma]: the anchor, then masks."""
+        masks = torch.full((*anchors.shape, self.gamma - 1), self.config.mask_token_id, device=anchors.device)
+        return torch.cat([anchors[..., None], masks], dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, inputs: Sequence[ProposeInput], temperature, top_p, top_k) -> DraftBlock:
+        g, dev = self.gamma, self.target.device
+        for inp in inputs:
+            if self.pool.length(inp.seq_id) != inp.context_len:
+                raise RuntimeError(f"drafter context of {inp.seq_id} is out of step with the target")
+            self.pool.append(inp.seq_id, g)  # temporary slots for the block's own K/V
+        try:
+            meta = AttentionMetadata.build(
+                [g] * len(inputs), [i.context_len + g for i in inputs],
+                [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev, causal=False,
+            )
+            anchors = torch.tensor([i.anchor for i in inputs], device=dev)
+            x = self.embed(self.block_inputs(anchors).flatten())  # [R*g, d]
+            hidden = self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1)
+        finally:
+            for inp in inputs:
+                self.pool.truncate(inp.seq_id, inp.context_len)
+        return self.sample_block(hidden, anchors, temperature, top_p, top_k, [i.generator for i in inputs])
+
+    def sample_block(self, hidden, anchors, temperature, top_p, top_k, generators) -> DraftBlock:
+        """Left-to-right sampling of the block from hidden [R, g, d]."""
+        base = self.lm_head(hidden)  # [R, g, V]
+        prev, state = anchors, None
+        tokens, probs, conf = [], [], []
+        for k in range(self.gamma):
+            logits = base[:, k]
+            if self.head is not None:
+                bias, emb, state = self.head.step(hidden[:, k], prev, state)
+                logits = logits + bias.float()
+                if self.conf is not None:
+                    conf.append(self.conf(hidden[:, k], emb))
+            p = probabilities(logits, temperature, top_p, top_k)
+            prev = sample(p, generators)
+            tokens.append(prev)
+            probs.append(p)
+        confidence = apply_sts(torch.stack(conf, 1), self.config.sts_temperatures) if conf else None
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence)
+
+    # ---- training -----------------------------------------------------------------------
+    def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor):
+        """Teacher-forced block predictions.
+
+        taps [B, T, m*d] target features, tokens [B, T], anchors [B, A] positions (each with
+        gamma valid tokens after it) -> logits [B, A, g, V] (base + sequential bias) and
+        confidence logits [B, A, g] (or None).
+        """
+        b, a, g = anchors.shape[0], anchors.shape[1], self.gamma
+        offs = torch.arange(g, device=tokens.device)
+        block_pos = anchors[..., None] + offs  # [B, A, g]
+        prev = tokens.gather(1, block_pos.flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
+        x = self.embed(self.block_inputs(prev[..., 0]))  # [B, A, g, d]
+        mask = block_mask(anchors, g, taps.shape[1])
+        h_ctx = self.backbone.context(taps)
+        hidden = self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1)
+        logits = self.lm_head(hidden)
+        conf = None
+        if self.head is not None:
+            bias, emb = self.head.teacher(hidden, prev)
+            logits = logits + bias.float()
+            if self.conf is not None:
+                conf = self.conf(hidden, emb)
+        return logits, conf
+
+
+def block_mask(anchors: torch.Tensor, gamma: int, ctx_len: int) -> torch.Tensor:
+    """[B, 1, A*g, T + A*g] bool: block a sees context before its anchor and its own block."""
+    b, a = anchors.shape
+    dev = anchors.device
+    q_block = torch.arange(a, device=dev).repeat_interleave(gamma)  # [A*g]
+    ctx = torch.arange(ctx_len, device=dev)[None, None, :] < anchors.repeat_interleave(gamma, 1)[:, :, None]
+    own = (q_block[:, None] == q_block[None, :])[None].expand(b, -1, -1)
+    return torch.cat([ctx, own], dim=-1)[:, None]

@@ -1,0 +1,74 @@
+"""DSpark's sequential heads and confidence head (DESIGN.md §3.1, paper §3.1-3.2.1).
+
+A sequential head adds a prefix-dependent bias B_k to the backbone's base logits U_k, so
+draft token x_k depends on the tokens sampled before it in the block:
+- markov: B = W1[x_{k-1}] W2 (low rank r);
+- gated:  g = sigmoid(Wg [h_k; W1[x_{k-1}]] + b), B = W2 (g * W1[x_{k-1}]);
+- rnn:    z = [s_{k-1}; W1[x_{k-1}]; h_k] -> gate/candidate/output, B = tanh(o) W2.
+`step` is the one code path used both when sampling left to right and when teacher-forcing
+in training (`teacher` loops `step` over the block), so the two cannot drift apart.
+The confidence head reads [h_k; W1[x_{k-1}]], known before x_k is drawn (non-anticipating).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SequentialHead(nn.Module):
+    def __init__(self, kind: str, vocab: int, rank: int, hidden: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Embedding(vocab, rank)  # W1: previous token -> r
+        self.w2 = nn.Linear(rank, vocab, bias=False)  # W2: r -> vocabulary bias
+        nn.init.normal_(self.w1.weight, std=0.02)
+        nn.init.zeros_(self.w2.weight)  # start as the plain parallel drafter
+        if kind == "gated":
+            self.gate = nn.Linear(hidden + rank, rank)
+        elif kind == "rnn":
+            self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
+        self.rank = rank
+
+    def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
+        """h [..., d], prev [...] long -> (bias [..., V], W1[prev] [..., r], new state)."""
+        e = self.w1(prev)
+        if self.kind == "markov":
+            return self.w2(e), e, state
+        if self.kind == "gated":
+            g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
+            return self.w2(g * e), e, state
+        s = state if state is not None else torch.zeros_like(e)
+        gate, cand, out = self.cell(torch.cat([s, e, h], dim=-1)).chunk(3, dim=-1)
+        g = torch.sigmoid(gate)
+        s = g * s + (1 - g) * torch.tanh(cand)
+        return self.w2(torch.tanh(out)), e, s
+
+    def teacher(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced biases: h [..., gamma, d], prev [..., gamma] (x_0..x_{gamma-1})
+        -> bias [..., gamma, V], W1[prev] [..., gamma, r]."""
+        biases, embs, state = [], [], None
+        for k in range(h.shape[-2]):
+            b, e, state = self.step(h[..., k, :], prev[..., k], state)
+            biases.append(b)
+            embs.append(e)
+        return torch.stack(biases, dim=-2), torch.stack(embs, dim=-2)
+
+
+class ConfidenceHead(nn.Module):
+    """c_k = sigmoid(w^T [h_k; W1[x_{k-1}]] + b); returns the logit (STS scales it)."""
+
+    def __init__(self, hidden: int, rank: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden + rank, 1)
+
+    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([h, prev_emb], dim=-1)).squeeze(-1).float()
+
+
+def apply_sts(conf_logits: torch.Tensor, temperatures: tuple[float, ...]) -> torch.Tensor:
+    """Calibrated confidences: sigmoid(logit_k / T_k) per position k (last dim = gamma)."""
+    if not temperatures:
+        return torch.sigmoid(conf_logits)
+    t = torch.tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
+    return torch.sigmoid(conf_logits / t[: conf_logits.shape[-1]])

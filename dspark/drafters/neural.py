@@ -1,0 +1,104 @@
+"""What every drafter with weights shares: the frozen target's embedding and LM head, and a
+paged cache of per-request context entries (one per committed token) with rollback.
+
+Subclasses define `write_context` (turn new context features into cache entries) and
+`propose`. The cache reserves gamma extra slots per request for the draft block's own
+entries during `propose`; they are rolled back before `propose` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
+from dspark.kv_cache import PagedKVCache
+from dspark.models.qwen3 import CausalLM
+
+
+class NeuralDrafter(nn.Module, Drafter):
+    cache_layers: int = 1  # layers whose K/V the cache holds
+
+    def __init__(self, config: DrafterConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = config
+        self._target: list[CausalLM] = []  # a list: the target is not a submodule (not saved, not trained)
+        self.cache: PagedKVCache | None = None
+
+    # ---- the frozen target parts -----------------------------------------------------
+    @property
+    def target(self) -> CausalLM:
+        if not self._target:
+            raise RuntimeError("drafter is not bound to a target; call bind(target, ...)")
+        return self._target[0]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target.model.embed_tokens(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed hidden [..., d] -> logits [..., V] (float32) with the target's LM head."""
+        return self.target.lm_head(hidden).float()
+
+    def bind(self, target: CausalLM, num_blocks: int, block_size: int) -> None:
+        check_compatible(self.config, target)
+        self._target = [target]
+        self.to(device=target.device, dtype=target.dtype)
+        from dspark.drafters.backbone import layer_config
+
+        self.cache = PagedKVCache(layer_config(self.config, self.cache_layers), num_blocks, block_size,
+                                  target.device, target.dtype)
+
+    # ---- per-request cache bookkeeping ------------------------------------------------
+    @property
+    def pool(self):
+        assert self.cache is not None, "bind() first"
+        return self.cache.pool
+
+    @torch.inference_mode()
+    def extend(self, rows: Sequence[ContextRow]) -> None:
+        rows = [r for r in rows if len(r.token_ids)]
+        if not rows:
+            return
+        for r in rows:
+            if self.pool.length(r.seq_id) != r.start:
+                raise RuntimeError(f"drafter context of {r.seq_id} has {self.pool.length(r.seq_id)} tokens, got start {r.start}")
+            self.pool.append(r.seq_id, len(r.token_ids))
+        self.write_context(rows)
+
+    def write_context(self, rows: Sequence[ContextRow]) -> None:
+        raise NotImplementedError
+
+    def rollback(self, seq_id: str, length: int) -> None:
+        if self.pool.length(seq_id) > length:
+            self.pool.truncate(seq_id, length)
+
+    def free(self, seq_id: str) -> None:
+        self.pool.free(seq_id)
+
+    def cache_bytes_in_use(self) -> int:
+        if self.cache is None:
+            return 0
+        return self.cache.bytes * self.pool.num_used_blocks // self.pool.num_blocks
+
+    def slots_and_positions(self, rows: Sequence[ContextRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = [s for r in rows for s in self.pool.slots(r.seq_id, r.start, len(r.token_ids))]
+        pos = [p for r in rows for p in range(r.start, r.start + len(r.token_ids))]
+        dev = self.target.device
+        return torch.tensor(slots, device=dev), torch.tensor(pos, device=dev)
+
+
+def check_compatible(cfg: DrafterConfig, target: CausalLM) -> None:
+    """Refuse a drafter built for another target, with a message that says why."""
+    t = target.config
+    problems = []
+    if cfg.vocab_size != t.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target's {t.vocab_size}")
+    if cfg.hidden_size != t.hidden_size:
+        problems.append(f"hidden size {cfg.hidden_size} != target's {t.hidden_size}")
+    bad_taps = [i for i in cfg.taps if not 0 <= i < t.num_hidden_layers]
+    if bad_taps:
+        problems.append(f"tap layers {bad_taps} outside the target's {t.num_hidden_layers} layers")
+    if problems:
+        raise ValueError(f"drafter ({cfg.kind}) does not match this target: " + "; ".join(problems))

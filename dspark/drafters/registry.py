@@ -1,0 +1,87 @@
+"""Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|PATH` to a drafter instance.
+
+A name picks the checkpoint shipped for the model (`assets/<model>/drafters/<kind>/`);
+`ngram` needs no weights; a path is a directory with `config.json` (+ `model.safetensors`).
+`new_drafter` builds an untrained one sized for a target (training, tests).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.config import ModelConfig
+from dspark.drafters.base import KINDS, Drafter, DrafterConfig
+
+GAMMA = {"dspark": 7, "dflash": 7, "eagle3": 7, "mtp": 1, "ngram": 7}
+
+
+def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
+    """Tap layers spread over depth, never the last (for 6 layers: 0, 2, 4)."""
+    if num_layers < 2:
+        return (0,)
+    step = max(1, (num_layers - 1) // count)
+    return tuple(range(0, num_layers - 1, step))[:count]
+
+
+def drafter_class(kind: str):
+    if kind in ("dspark", "dflash"):
+        from dspark.drafters.dspark import DSparkDrafter
+
+        return DSparkDrafter
+    if kind in ("eagle3", "mtp"):
+        from dspark.drafters.eagle3 import ShiftedDrafter
+
+        return ShiftedDrafter
+    from dspark.drafters.ngram import NgramDrafter
+
+    return NgramDrafter
+
+
+def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrides) -> DrafterConfig:
+    """The config of an untrained `kind` drafter for `target` (DESIGN.md §5 defaults)."""
+    base = dict(
+        kind=kind, gamma=GAMMA[kind], hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,
+        head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope_theta=target.rope_theta,
+        vocab_size=target.vocab_size, mask_token_id=mask_token_id, taps=default_taps(target.num_hidden_layers),
+        num_layers=2, head="markov", confidence=True,
+    )
+    if kind == "dflash":
+        base.update(head="none", confidence=False)
+    elif kind == "eagle3":
+        base.update(num_layers=1, head="none", confidence=False)
+    elif kind == "mtp":
+        base.update(num_layers=1, head="none", confidence=False, taps=(target.num_hidden_layers - 1,))
+    elif kind == "ngram":
+        base.update(num_layers=0, head="none", confidence=False, taps=())
+    base.update(overrides)
+    return DrafterConfig(**base)
+
+
+def new_drafter(config: DrafterConfig) -> Drafter:
+    return drafter_class(config.kind)(config)
+
+
+def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig | None = None,
+                 mask_token_id: int = 0) -> Drafter:
+    """A shipped name (for the model at model_dir), `ngram`, or a checkpoint directory."""
+    if name == "ngram":
+        if target is None:
+            raise ValueError("the ngram drafter needs the target's config")
+        return new_drafter(new_config("ngram", target, mask_token_id))
+    path = Path(name).expanduser()
+    if name in KINDS:
+        shipped = model_dir.parent / "drafters" / name if model_dir is not None else None
+        if shipped is None or not (shipped / "config.json").is_file():
+            raise FileNotFoundError(f"no shipped {name!r} drafter for this model; pass a drafter directory")
+        path = shipped
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"drafter {name!r}: not a known kind ({', '.join(KINDS)}) nor a directory with config.json")
+    config = DrafterConfig.from_json((path / "config.json").read_text())
+    drafter = new_drafter(config)
+    weights = path / "model.safetensors"
+    if weights.is_file():
+        from safetensors.torch import load_file
+
+        drafter.load_state_dict(load_file(str(weights)))  # type: ignore[attr-defined]
+    return drafter

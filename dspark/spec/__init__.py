@@ -1,0 +1,1 @@
+"""Speculative decoding: verification, policies, acceptance statistics, step-cost profile, calibration."""

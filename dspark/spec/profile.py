@@ -1,0 +1,129 @@
+"""Step-cost profile: seconds of a target forward of B tokens, and of a drafter proposal
+for R requests, so schedulers maximise tokens per second of the whole step.
+
+Measured at engine start (warm-up, then timed runs on a grid up to the token budget, at a
+representative context length), interpolated, cached on disk per model / drafter / device
+/ dtype / threads, and corrected while serving: every measured step updates a smoothed
+factor for its grid bucket, since a start-up profile drifts with heat, context and load.
+
+    dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+CACHE_DIR = Path("~/.cache/dspark/profiles").expanduser()
+
+
+def interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation, linear extrapolation past the last point."""
+    if x <= xs[0]:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i == len(xs):
+        i = len(xs) - 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class StepProfile:
+    key: str
+    tokens: list[int]  # grid of forward sizes B
+    verify_s: list[float]  # seconds per target forward of B tokens
+    requests: list[int] = field(default_factory=lambda: [1])  # grid of R
+    draft_s: list[float] = field(default_factory=lambda: [0.0])  # seconds per proposal for R requests
+    smoothing: float = 0.05
+    verify_fix: dict[int, float] = field(default_factory=dict)  # grid index -> measured/profiled
+    draft_fix: dict[int, float] = field(default_factory=dict)
+
+    def verify(self, b: int) -> float:
+        return interp(self.tokens, self.verify_s, b) * self.verify_fix.get(self._bucket(self.tokens, b), 1.0)
+
+    def draft(self, r: int) -> float:
+        if r <= 0:
+            return 0.0
+        return interp(self.requests, self.draft_s, r) * self.draft_fix.get(self._bucket(self.requests, r), 1.0)
+
+    def cost(self, r: int, b: int) -> float:
+        """Seconds of a speculative step: draft for r requests, verify b tokens."""
+        return self.draft(r) + self.verify(b)
+
+    def sps(self, b: int) -> float:
+        return 1.0 / self.verify(b)
+
+    @staticmethod
+    def _bucket(grid: list[int], x: float) -> int:
+        return min(range(len(grid)), key=lambda i: abs(grid[i] - x))
+
+    def observe_verify(self, b: int, seconds: float) -> None:
+        self._observe(self.verify_fix, self.tokens, self.verify_s, b, seconds)
+
+    def observe_draft(self, r: int, seconds: float) -> None:
+        self._observe(self.draft_fix, self.requests, self.draft_s, r, seconds)
+
+    def _observe(self, fix: dict[int, float], grid, values, x: int, seconds: float) -> None:
+        base = interp(grid, values, x)
+        if base <= 0 or seconds <= 0:
+            return
+        i = self._bucket(grid, x)
+        ratio = min(10.0, max(0.1, seconds / base))
+        fix[i] = (1 - self.smoothing) * fix.get(i, 1.0) + self.smoothing * ratio
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepProfile:
+        raw = json.loads(text)
+        raw["verify_fix"] = {int(k): v for k, v in raw.get("verify_fix", {}).items()}
+        raw["draft_fix"] = {int(k): v for k, v in raw.get("draft_fix", {}).items()}
+        return cls(**raw)
+
+
+def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int) -> str:
+    raw = f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{torch.get_num_threads()}|{torch.__version__}"
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def grid(limit: int) -> list[int]:
+    out, x = [], 1
+    while x < limit:
+        out.append(x)
+        x = x + 1 if x < 4 else int(x * 1.5)
+    return sorted(set(out + [limit]))
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median wall seconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def load_cached(key: str) -> StepProfile | None:
+    path = CACHE_DIR / f"{key}.json"
+    return StepProfile.from_json(path.read_text()) if path.is_file() else None
+
+
+def save_cached(profile: StepProfile) -> Path:
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = CACHE_DIR / f"{profile.key}.json"
+    path.write_text(profile.to_json())
+    return path

@@ -1,0 +1,219 @@
+"""One speculative round for every running request (DESIGN.md §3, issue [E] item 1).
+
+draft (batched) -> policy chooses l_r -> ONE flattened target forward over
+`[anchor, x_1..x_l]` of every decoding request, with new requests' prefill chunks in the
+same forward -> rejection sampling per request -> emit accepted + recovered/bonus tokens ->
+the engine rolls the target KV back past the accepted prefix -> the drafter receives the
+tapped features of the newly committed tokens. A request with l_r = 0 advances one token
+exactly as plain decoding does.
+
+The never-slower gate decides *before* drafting, from the profile and the acceptance of
+earlier steps (never this step's draft tokens), whether drafting pays; if not, the step
+decodes plainly without calling the drafter, probing again with growing intervals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, ProposeInput
+from dspark.engine.batch import BatchRow
+from dspark.engine.runner import ModelRunner, StepResult, sampling_tensors, token_logprobs
+from dspark.engine.scheduler import ScheduledRequest
+from dspark.sampling import probabilities, sample
+from dspark.spec.profile import StepProfile
+from dspark.spec.schedule import NoSpeculation, Policy, algorithm1, candidates
+from dspark.spec.stats import AcceptanceStats
+from dspark.spec.verify import verify
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    enabled: bool = True
+    probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
+    probe_max: int = 128
+
+
+class Gate:
+    """Predicts whether drafting pays this step, from history only (lossless)."""
+
+    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
+        self.cfg, self.stats, self.profile = cfg, stats, profile
+        self.wait, self.interval = 0, cfg.probe_every
+        self.probing = False
+
+    def should_draft(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+        self.probing = False
+        if not self.cfg.enabled or self.profile is None:
+            return True
+        conf = torch.tensor([self.stats.conditional()] * num_requests)
+        cands = candidates(conf, caps)
+        admitted = algorithm1(cands, num_requests, other_tokens, self.profile.cost)
+        gain = sum(c.survival for c in cands[:admitted])
+        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + other_tokens + admitted)
+        plain = num_requests / self.profile.verify(num_requests + other_tokens)
+        if spec > plain:
+            self.interval = self.cfg.probe_every
+            return True
+        self.wait += 1
+        if self.wait >= self.interval:  # probe: refresh the acceptance estimates
+            self.wait, self.interval = 0, min(self.cfg.probe_max, self.interval * 2)
+            self.probing = True
+            return True
+        return False
+
+
+class SpecRunner:
+    def __init__(self, base: ModelRunner, drafter: Drafter, policy: Policy, profile: StepProfile | None,
+                 gate: GateConfig | None = None) -> None:
+        self.base, self.drafter, self.policy, self.profile = base, drafter, policy, profile
+        self.gamma = drafter.gamma
+        self.stats = AcceptanceStats(self.gamma)
+        use_gate = (gate or GateConfig()).enabled and policy.needs_cost
+        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, profile) if use_gate else None
+        self.device = base.device
+        self.steps = self.drafted_steps = 0
+
+    def release(self, seq_id: str) -> None:
+        self.drafter.free(seq_id)
+
+    @torch.inference_mode()
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
+        result, t0 = StepResult(), time.perf_counter()
+        for s in scheduled:
+            if s.request.num_computed == 0:
+                self.drafter.free(s.request.request_id)  # fresh or recomputed after preemption
+        decode = [s for s in scheduled if self._decodes(s)]
+        others = [s for s in scheduled if not self._decodes(s)]
+        other_tokens = sum(s.num_new_tokens for s in others)
+        caps = [s.num_lookahead for s in decode]
+        block, lengths = None, [0] * len(decode)
+        drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
+        if drafting and self.gate is not None:
+            drafting = self.gate.should_draft(len(decode), other_tokens, caps)
+        if drafting:
+            block = self._propose(decode)
+            result.times["draft"] = time.perf_counter() - t0
+            lengths = self._choose(block, decode, caps, other_tokens)
+        t1 = time.perf_counter()
+        result.times["schedule"] = t1 - t0 - result.times.get("draft", 0.0)
+        rows = [self._plain_row(s) for s in others] + [self._verify_row(s, block, i, lengths[i]) for i, s in enumerate(decode)]
+        batch, out = self.base.target_forward(rows, self.drafter.taps)
+        t2 = time.perf_counter()
+        result.times["verify"] = t2 - t1
+        result.num_forward_tokens = batch.num_tokens
+        self._accept(result, others, decode, block, lengths, batch, out)
+        result.times["accept"] = time.perf_counter() - t2
+        self._observe(len(decode), batch.num_tokens, result, drafting)
+        return result
+
+    # ---- pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def _decodes(s: ScheduledRequest) -> bool:
+        return s.samples and s.num_new_tokens == 1 and bool(s.request.output_ids)
+
+    def _propose(self, decode: Sequence[ScheduledRequest]) -> DraftBlock:
+        reqs = [s.request for s in decode]
+        inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids[:-1], r.generator) for r in reqs]
+        return self.drafter.propose(inputs, *sampling_tensors(reqs, [1] * len(reqs), self.device))
+
+    def _choose(self, block: DraftBlock, decode, caps: list[int], other_tokens: int) -> list[int]:
+        if block.num_valid is not None:
+            caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
+        conf = block.confidence
+        if conf is None:
+            conf = torch.tensor([self.stats.conditional()] * len(decode))
+        cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0 + 0.0 * b)
+        lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
+        if self.gate is not None and self.gate.probing:
+            lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
+        return [min(ell, c) for ell, c in zip(lengths, caps, strict=True)]
+
+    @staticmethod
+    def _plain_row(s: ScheduledRequest) -> BatchRow:
+        req, start = s.request, s.request.num_computed
+        return BatchRow(req.request_id, req.all_ids[start : start + s.num_new_tokens],
+                        start + s.num_new_tokens, 1 if s.samples else 0)
+
+    @staticmethod
+    def _verify_row(s: ScheduledRequest, block: DraftBlock | None, i: int, ell: int) -> BatchRow:
+        req = s.request
+        drafts = block.tokens[i, :ell].tolist() if block is not None and ell else []
+        return BatchRow(req.request_id, [req.all_ids[-1], *drafts], req.num_computed + 1 + ell, 1 + ell)
+
+    def _accept(self, result: StepResult, others, decode, block, lengths, batch, out) -> None:
+        n_other = len(others)
+        sampling = [(i, s.request) for i, s in enumerate(others) if s.samples]
+        if sampling:
+            reqs = [r for _, r in sampling]
+            rows = torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)
+            logits = out.logits[rows]
+            tokens = sample(probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device)),
+                            [r.generator for r in reqs])
+            for j, r in enumerate(reqs):
+                result.tokens[r.request_id] = [int(tokens[j])]
+                self._logprobs(result, r, logits[j : j + 1], tokens[j : j + 1])
+        for i, s in enumerate(others):
+            result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
+        if decode:
+            self._verify(result, decode, block, lengths, batch, out, n_other)
+        self._extend(result, others, decode, batch, out)
+
+    def _verify(self, result, decode, block, lengths, batch, out, n_other: int) -> None:
+        reqs = [s.request for s in decode]
+        g, vocab = self.gamma, out.logits.shape[-1]
+        starts = [batch.cu_logits[n_other + i] for i in range(len(decode))]
+        logits = torch.cat([out.logits[st : st + 1 + ell] for st, ell in zip(starts, lengths, strict=True)])
+        tprobs = probabilities(logits, *sampling_tensors(reqs, [1 + ell for ell in lengths], self.device))
+        padded = torch.zeros(len(decode), g + 1, vocab, device=self.device)
+        offset = 0
+        for i, ell in enumerate(lengths):
+            padded[i, : 1 + ell] = tprobs[offset : offset + 1 + ell]
+            offset += 1 + ell
+        if block is None:
+            block = DraftBlock(torch.zeros(len(decode), g, dtype=torch.long, device=self.device),
+                               torch.ones(len(decode), g, vocab, device=self.device))
+        verdict = verify(block.tokens, block.probs, padded, torch.tensor(lengths, device=self.device),
+                         [r.generator for r in reqs])
+        offset = 0
+        for i, (r, ell) in enumerate(zip(reqs, lengths, strict=True)):
+            n = verdict.num_accepted[i]
+            result.tokens[r.request_id] = verdict.tokens[i]
+            result.num_computed[r.request_id] = r.num_computed + 1 + n
+            result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
+            result.verified[r.request_id], result.accepted[r.request_id] = ell, n
+            emitted = torch.tensor(verdict.tokens[i], device=self.device)
+            self._logprobs(result, r, logits[offset : offset + n + 1], emitted)
+            offset += 1 + ell
+        if any(lengths):
+            self.stats.update(lengths, verdict.num_accepted)
+
+    def _logprobs(self, result: StepResult, req, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        if req.params.logprobs is not None:
+            result.logprobs[req.request_id] = token_logprobs(logits, tokens, req.params.logprobs)
+
+    def _extend(self, result: StepResult, others, decode, batch, out) -> None:
+        """Hand the drafter the features of every token committed to the target cache."""
+        rows = []
+        for i, s in enumerate([*others, *decode]):
+            req = s.request
+            keep = result.num_computed[req.request_id] - req.num_computed
+            start = int(batch.cu_seqlens[i])
+            feats = out.taps[start : start + keep] if out.taps is not None else None
+            tokens = req.all_ids[req.num_computed : req.num_computed + keep] if i < len(others) else \
+                batch.rows[i].tokens[:keep]
+            rows.append(ContextRow(req.request_id, req.num_computed, list(tokens), feats))
+        self.drafter.extend(rows)
+
+    def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool) -> None:
+        self.steps += 1
+        self.drafted_steps += int(drafted)
+        if self.profile is None:
+            return
+        self.profile.observe_verify(num_tokens, result.times["verify"])
+        if drafted:
+            self.profile.observe_draft(num_decode, result.times["draft"])

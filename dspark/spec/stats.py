@@ -1,0 +1,38 @@
+"""Running acceptance statistics: per-position conditional acceptance of verified drafts.
+
+Position k is *tried* when it was verified and every earlier position was accepted, and
+*accepted* when it passed. The ratio, with exponential forgetting, estimates
+c_k = P(x_k accepted | x_1..x_{k-1} accepted) for drafters without a confidence head, and
+predicts whether drafting pays at all (the never-slower gate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class AcceptanceStats:
+    def __init__(self, gamma: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0) -> None:
+        self.gamma, self.decay = gamma, decay
+        self.tried = [prior_weight] * gamma
+        self.accepted = [prior * prior_weight] * gamma
+        self.total_tried = [0] * gamma  # undecayed counts, for reporting
+        self.total_accepted = [0] * gamma
+
+    def update(self, lengths: Sequence[int], num_accepted: Sequence[int]) -> None:
+        for ell, n in zip(lengths, num_accepted, strict=True):
+            if ell <= 0:
+                continue
+            for k in range(min(n + 1, ell)):  # positions 1..min(n+1, ell), 0-based here
+                self.tried[k] = self.tried[k] * self.decay + 1
+                self.accepted[k] = self.accepted[k] * self.decay + (1 if k < n else 0)
+                self.total_tried[k] += 1
+                self.total_accepted[k] += 1 if k < n else 0
+
+    def conditional(self) -> list[float]:
+        """Estimated c_1..c_gamma, clipped away from 0 and 1."""
+        return [min(0.99, max(0.01, a / t)) for a, t in zip(self.accepted, self.tried, strict=True)]
+
+    def observed(self) -> list[float | None]:
+        """Undecayed conditional acceptance per position (None where never tried)."""
+        return [a / t if t else None for a, t in zip(self.total_accepted, self.total_tried, strict=True)]

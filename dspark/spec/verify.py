@@ -1,0 +1,70 @@
+"""Lossless verification of variable-length draft prefixes (DESIGN.md §3.3).
+
+For request r with l_r verified draft tokens x_1..x_l, draft distributions q_k and target
+distributions p_1..p_{l+1} (p_k from the target's logits at the token before x_k):
+accept x_k with probability min(1, p_k(x_k) / q_k(x_k)) while all before it were accepted;
+at the first rejection emit a token from norm(max(p_k - q_k, 0)) (the recovered token);
+if all l are accepted emit a token from p_{l+1} (the bonus token). Greedy decoding is the
+same rule with one-hot p and q: accept iff x_k is the target's argmax, and emit the argmax.
+Vectorised over the padded [R, gamma] layout; one uniform per position per request, drawn
+from the request's own generator when it has a seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Verdict:
+    num_accepted: list[int]  # accepted draft tokens per request
+    tokens: list[list[int]]  # emitted per request: accepted drafts + the recovered/bonus token
+
+
+def uniforms(rows: int, width: int, generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
+    """[rows, width] uniforms in [0, 1), row i from generators[i] (or the global RNG)."""
+    if all(g is None for g in generators):
+        return torch.rand(rows, width, device=device)
+    return torch.stack([torch.rand(width, generator=g, device=device) for g in generators])
+
+
+def verify(
+    draft_tokens: torch.Tensor,  # [R, G] long
+    draft_probs: torch.Tensor,  # [R, G, V]
+    target_probs: torch.Tensor,  # [R, G+1, V]; row k of request r valid for k <= l_r
+    lengths: torch.Tensor,  # [R] long, l_r in 0..G
+    generators: Sequence[torch.Generator | None],
+) -> Verdict:
+    rows, width = draft_tokens.shape
+    dev = draft_tokens.device
+    p_x = target_probs[:, :width].gather(-1, draft_tokens[..., None])[..., 0]  # [R, G]
+    q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].clamp_min(1e-30)
+    u = uniforms(rows, width + 1, generators, dev)  # last column samples the final token
+    in_prefix = torch.arange(width, device=dev)[None, :] < lengths[:, None]
+    ok = (u[:, :width] * q_x < p_x) & in_prefix  # u < p/q without dividing
+    accepted = ok.long().cumprod(-1).sum(-1)  # [R]
+    final = target_probs[torch.arange(rows, device=dev), accepted]  # [R, V]
+    rejected = accepted < lengths
+    if bool(rejected.any()):
+        q_at = draft_probs[torch.arange(rows, device=dev), accepted.clamp(max=width - 1)]
+        residual = (final - q_at).clamp_min(0)
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final)
+        final = torch.where(rejected[:, None], residual, final)
+    last = inverse_cdf(final, u[:, width])
+    tokens = [draft_tokens[r, : int(accepted[r])].tolist() + [int(last[r])] for r in range(rows)]
+    return Verdict(accepted.tolist(), tokens)
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One sample per row of probs [R, V] from uniforms u [R] (deterministic given u)."""
+    cdf = probs.cumsum(-1)
+    cdf = cdf / cdf[:, -1:].clamp_min(1e-30)
+    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype).contiguous(), right=True)[:, 0]
+    idx = idx.clamp(max=probs.shape[-1] - 1)
+    # never land on a zero-probability token through rounding at the top of the cdf
+    bad = probs.gather(-1, idx[:, None])[:, 0] <= 0
+    return torch.where(bad, probs.argmax(-1), idx)

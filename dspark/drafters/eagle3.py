@@ -98,7 +98,7 @@ class ShiftedDrafter(NeuralDrafter):
     def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor):
         """taps [B, T, m*d], tokens [B, T], anchors [B, A] -> logits [B, A, g, V], None."""
         b, t = tokens.shape
-        a, dev = anchors.shape[1], tokens.device
+        dev = tokens.device
         fused = self.fuse(taps)
         prev = torch.cat([torch.zeros_like(fused[:, :1]), fused[:, :-1]], dim=1)
         z = self.entry(prev, tokens)  # [B, T, d]

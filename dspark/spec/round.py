@@ -157,7 +157,7 @@ class SpecRunner:
             for j, r in enumerate(reqs):
                 result.tokens[r.request_id] = [int(tokens[j])]
                 self._logprobs(result, r, logits[j : j + 1], tokens[j : j + 1])
-        for i, s in enumerate(others):
+        for s in others:
             result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
         if decode:
             self._verify(result, decode, block, lengths, batch, out, n_other)

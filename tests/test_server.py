@@ -261,3 +261,59 @@ def test_serve_arguments_build_the_engine(qwen3_dir):
     for bad in (["--policy", "fastest"], ["--policy", "threshold:2"]):
         with pytest.raises(SystemExit):
             build_parser().parse_args(["serve", *bad])
+
+
+@pytest.mark.slow
+def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir):
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "dspark", "serve", "--model", str(qwen3_dir), "--device", "cpu",
+                             "--port", str(port), "--num-kv-blocks", "64", "--served-model-name", MODEL,
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-2000:]
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        started, lines = threading.Event(), []
+
+        def read() -> None:
+            body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True,
+                        logprobs=0)  # logprobs: one chunk per token, even while text is held back
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    started.set()
+                    if line:
+                        lines.append(line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        at_signal = len(lines)
+        time.sleep(0.3)
+        try:  # new work is refused while draining: closed socket or 503
+            assert httpx.post(url + "/v1/completions", json=dict(prompt="hi"), timeout=5).status_code == 503
+        except httpx.TransportError:
+            pass
+        reader.join(60)
+        data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(lines) > at_signal + 10  # it kept streaming after the signal
+        assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from dspark.engine.engine import LLMEngine
 from dspark.server.async_engine import AsyncEngine, RequestStream
@@ -66,6 +67,10 @@ def create_app(engine: LLMEngine, settings: ServeSettings | None = None) -> Fast
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
         headers = {"Retry-After": str(settings.retry_after_s)} if exc.status == 503 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, exc: ClientDisconnect) -> Response:
+        return Response(status_code=499)  # nobody reads it; keeps a vanished client out of the error log
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -122,6 +127,8 @@ def encode(engine: LLMEngine, prompt: str | list[int], param: str) -> list[int]:
     except ValueError as exc:
         code = "context_length_exceeded" if "context" in str(exc) else "invalid_value"
         raise ApiError(400, str(exc), param=param, code=code) from None
+    except Exception as exc:  # e.g. text the tokenizer cannot take (lone surrogates)
+        raise ApiError(400, f"cannot tokenise the prompt: {exc}", param=param, code="invalid_value") from None
 
 
 async def respond(request: Request, aengine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest,
@@ -199,7 +206,7 @@ async def collect_or_disconnect(request: Request, stream: RequestStream, shaper:
         gone.cancel()
         if not result.done():
             result.cancel()
-    if result.cancelled():
+    if not result.done() or result.cancelled():  # cancelled, but the task may not have run yet
         raise ApiError(499, "the client closed the request", code="client_closed")
     return result.result()
 

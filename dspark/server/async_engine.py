@@ -227,6 +227,7 @@ class AsyncEngine:
         if live is None:
             return  # already finished or failed
         self.engine.abort(request_id)
+        self.metrics.observe_request(live.meter, live.req.stats, time.perf_counter())  # final counters
         self._end(live.stream, None, "abort", Delta([], finish_reason="abort"))
 
     def _end(self, stream: RequestStream, error: ApiError | None, reason: str, last: Delta | None = None) -> None:

@@ -41,6 +41,7 @@ class RequestMeter:
     draft_tokens: int = 0
     verified_tokens: int = 0
     accepted_tokens: int = 0
+    preemptions: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     verified_per_position: list[int] = field(default_factory=list)
 
@@ -77,6 +78,8 @@ class ServerMetrics:
                                          ["finish_reason"], registry=r)
         self.requests_rejected = Counter("dspark_requests_rejected", "Requests refused before generation, by cause",
                                          ["reason"], registry=r)
+        self.preemptions = Counter("dspark_preemptions", "Times a running request was preempted (KV full)",
+                                   registry=r)
         self.step_errors = Counter("dspark_engine_step_errors", "Engine steps that raised", registry=r)
         self._tokens = 0  # for tau over all requests
         self._rounds = 0
@@ -113,7 +116,7 @@ class ServerMetrics:
         if self._rounds:
             self.mean_accepted_length.set(self._tokens / self._rounds)
         meter.completion_tokens, meter.rounds = stats.completion_tokens, stats.rounds
-        for name in ("draft_tokens", "verified_tokens", "accepted_tokens"):
+        for name in ("draft_tokens", "verified_tokens", "accepted_tokens", "preemptions"):
             delta = getattr(stats, name) - getattr(meter, name)
             if delta > 0:
                 getattr(self, name).inc(delta)

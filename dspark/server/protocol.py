@@ -20,6 +20,8 @@ from dspark.sampling import SamplingParams
 
 MAX_STOP = 16
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # smaller temperatures overflow logits / T; they mean greedy anyway
+TOP_P_FLOOR = 1e-6  # keeps top_p > 0 in float32; any top_p this small keeps only the top token
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]  # what torch.Generator accepts
 TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31)]], Field(min_length=1)]
 
@@ -173,7 +175,8 @@ def sampling_params(body: CompletionRequest | ChatCompletionRequest, num_prompt_
         asked = min(16, room) if isinstance(body, CompletionRequest) else room
     logprobs = body.top_logprobs() if isinstance(body, CompletionRequest) else body.top_logprobs_count()
     try:
-        return SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        temperature = body.temperature if body.temperature >= GREEDY_BELOW else 0.0
+        return SamplingParams(temperature=temperature, top_p=max(body.top_p, TOP_P_FLOOR), top_k=body.top_k,
                               max_tokens=asked, seed=body.seed, stop=body.stop_strings(),
                               ignore_eos=body.ignore_eos, logprobs=logprobs)
     except ValueError as exc:

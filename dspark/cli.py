@@ -22,6 +22,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: by device)")
 
 
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default=None, help="dspark | dflash | eagle3 | mtp | ngram | PATH")
+    p.add_argument("--policy", default=None, help="none | static:K | threshold:T | dspark | dspark-async")
+    p.add_argument("--gamma", type=int, default=None, help="draft block size (<= the drafter's)")
+
+
 def engine_config(args: argparse.Namespace, **extra):
     from dspark.config import EngineConfig, default_device
 
@@ -34,7 +40,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, engine_config(args))
+    llm = LLM(args.model, engine_config(args), drafter=args.drafter, policy=args.policy, gamma=args.gamma)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -64,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    add_spec_args(g)
     g.add_argument("--json", action="store_true", help="print text, token_ids, finish_reason and stats as JSON")
     g.add_argument("prompt")
     g.set_defaults(func=cmd_generate)

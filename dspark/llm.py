@@ -1,7 +1,7 @@
 """The public Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
     from dspark import LLM, SamplingParams
-    llm = LLM()  # the embedded dspark-tiny model
+    llm = LLM()  # the embedded dspark-tiny model, dspark drafter and policy
     out = llm.generate(["Explain list comprehensions."], SamplingParams(temperature=0, max_tokens=64))
     print(out[0].text, out[0].finish_reason, out[0].stats)
 """
@@ -12,17 +12,21 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.engine.engine import LLMEngine, RequestOutput
-from dspark.models.loader import load_model
+from dspark.engine.engine import RequestOutput
+from dspark.engine.factory import build_engine
 from dspark.sampling import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None, **engine_kwargs) -> None:
+    def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
+                 drafter: str | None = None, policy: str | None = None, gamma: int | None = None,
+                 profile: str = "auto", **engine_kwargs) -> None:
+        """drafter: dspark | dflash | eagle3 | mtp | ngram | PATH; policy: none | static:K |
+        threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
+        shipped dspark drafter and policy on dspark-tiny, plain decoding elsewhere)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
-        net, tokenizer = load_model(model, cfg.device, cfg.dtype)
-        self.engine = LLMEngine(net, tokenizer, cfg)
-        self.tokenizer = tokenizer
+        self.engine = build_engine(model, drafter, policy, cfg, gamma, profile)
+        self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -85,17 +85,23 @@ class DSparkDrafter(NeuralDrafter):
         return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence)
 
     # ---- training -----------------------------------------------------------------------
-    def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor):
+    def forward(self, *args, **kwargs):
+        return self.train_forward(*args, **kwargs)
+
+    def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                      conf_stop_grad: bool = False):
         """Teacher-forced block predictions.
 
         taps [B, T, m*d] target features, tokens [B, T], anchors [B, A] positions (each with
         gamma valid tokens after it) -> logits [B, A, g, V] (base + sequential bias) and
-        confidence logits [B, A, g] (or None).
+        confidence logits [B, A, g] (or None). conf_stop_grad keeps the confidence loss from
+        moving the backbone and the head (it then trains only the confidence head).
         """
         b, a, g = anchors.shape[0], anchors.shape[1], self.gamma
         offs = torch.arange(g, device=tokens.device)
         block_pos = anchors[..., None] + offs  # [B, A, g]
-        prev = tokens.gather(1, block_pos.flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
+        last = tokens.shape[1] - 1
+        prev = tokens.gather(1, block_pos.clamp(max=last).flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
         x = self.embed(self.block_inputs(prev[..., 0]))  # [B, A, g, d]
         mask = block_mask(anchors, g, taps.shape[1])
         h_ctx = self.backbone.context(taps)
@@ -106,7 +112,7 @@ class DSparkDrafter(NeuralDrafter):
             bias, emb = self.head.teacher(hidden, prev)
             logits = logits + bias.float()
             if self.conf is not None:
-                conf = self.conf(hidden, emb)
+                conf = self.conf(hidden.detach(), emb.detach()) if conf_stop_grad else self.conf(hidden, emb)
         return logits, conf
 
 

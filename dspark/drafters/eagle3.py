@@ -95,7 +95,10 @@ class ShiftedDrafter(NeuralDrafter):
         return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), None)
 
     # ---- training (training-time test) ------------------------------------------------------
-    def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor):
+    def forward(self, *args, **kwargs):
+        return self.train_forward(*args, **kwargs)
+
+    def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, **_: object):
         """taps [B, T, m*d], tokens [B, T], anchors [B, A] -> logits [B, A, g, V], None."""
         b, t = tokens.shape
         dev = tokens.device
@@ -112,7 +115,7 @@ class ShiftedDrafter(NeuralDrafter):
         outs, chain_k, chain_v = [out], [], []
         for k in range(1, self.gamma):
             step_pos = anchors + k  # [B, A]
-            x_prev = tokens.gather(1, step_pos)  # teacher token at the step's position
+            x_prev = tokens.gather(1, step_pos.clamp(max=t - 1))  # teacher token at the step's position
             zk = self.entry(out, x_prev)
             ccos, csin = self.rotary.cos_sin(step_pos, zk.dtype)
             prefix_k = torch.cat([seq_k, *chain_k], dim=1) if chain_k else seq_k

@@ -78,6 +78,11 @@ class SpecRunner:
         self.device = base.device
         self.steps = self.drafted_steps = 0
 
+    def set_profile(self, profile: StepProfile) -> None:
+        self.profile = profile
+        if self.gate is not None:
+            self.gate.profile = profile
+
     def release(self, seq_id: str) -> None:
         self.drafter.free(seq_id)
 

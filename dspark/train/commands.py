@@ -30,6 +30,20 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     m = sub.add_parser("target", help="train the target (resumes from its run directory)")
     m.add_argument("--config", required=True)
     m.set_defaults(func=run_target)
+    r = sub.add_parser("regen", help="the target answers the training prompts (drafter data)")
+    r.add_argument("--model", default="dspark-tiny")
+    r.add_argument("--corpus", default="~/.cache/dspark/corpus")
+    r.add_argument("--split", default="train", choices=["train", "heldout"])
+    r.add_argument("--out", required=True)
+    r.add_argument("--per-domain", type=int, default=2000)
+    r.add_argument("--max-tokens", type=int, default=256)
+    r.add_argument("--batch", type=int, default=64)
+    r.add_argument("--seed", type=int, default=0)
+    r.set_defaults(func=run_regen)
+    d = sub.add_parser("drafter", help="train a drafter against the frozen target (resumes)")
+    d.add_argument("--kind", required=True, choices=["dspark", "dflash", "eagle3", "mtp"])
+    d.add_argument("--config", required=True)
+    d.set_defaults(func=run_drafter)
     e = sub.add_parser("eval-target", help="held-out loss, loop rate and samples of a target (model card)")
     e.add_argument("--model", required=True)
     e.add_argument("--corpus", default="~/.cache/dspark/corpus")
@@ -65,6 +79,21 @@ def run_tokenizer(args: argparse.Namespace) -> int:
     tok = train_bpe(texts, args.vocab_size)
     save_hf_tokenizer(tok, Path(args.out).expanduser())
     print(json.dumps({"tokens": encode_corpus(corpus, tok, args.tokens)}, indent=2))
+    return 0
+
+
+def run_regen(args: argparse.Namespace) -> int:
+    from dspark.train.regen import regenerate
+
+    n = regenerate(args.model, args.corpus, args.out, args.split, args.per_domain, args.max_tokens, args.batch, args.seed)
+    print(f"{n} prompts answered -> {args.out}")
+    return 0
+
+
+def run_drafter(args: argparse.Namespace) -> int:
+    from dspark.train.drafter import DrafterTrainConfig, train
+
+    print(json.dumps(train(DrafterTrainConfig.from_file(args.config, kind=args.kind)), indent=2))
     return 0
 
 

@@ -1,0 +1,60 @@
+"""Build an engine from names: model, drafter, policy (what `LLM(...)` and the CLI call).
+
+    build_engine("dspark-tiny", drafter="dspark", policy="dspark", gamma=7)
+
+On the embedded model the defaults are the shipped `dspark` drafter and the `dspark`
+policy; elsewhere plain decoding unless a drafter is named. Policies that weigh costs
+(dspark, dspark-async) load the step profile from the on-disk cache or measure it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark.config import EngineConfig
+from dspark.drafters.registry import load_drafter
+from dspark.engine.engine import LLMEngine
+from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
+from dspark.spec import measure
+from dspark.spec.profile import load_cached, profile_key, save_cached
+from dspark.spec.round import GateConfig
+
+
+def default_spec(model: str | Path | None) -> tuple[str | None, str]:
+    """(drafter, policy) used when the caller names neither."""
+    path = resolve_model_path(model)
+    shipped = path.parent / "drafters" / "dspark" / "config.json"
+    if path in BUILTIN_MODELS.values() and shipped.is_file():
+        return "dspark", "dspark"
+    return None, "none"
+
+
+def build_engine(model: str | Path | None = None, drafter: str | None = None, policy: str | None = None,
+                 cfg: EngineConfig | None = None, gamma: int | None = None, profile: str = "auto",
+                 gate: GateConfig | None = None) -> LLMEngine:
+    """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs)."""
+    cfg = cfg or EngineConfig()
+    path = resolve_model_path(model)
+    if drafter is None and policy is None:
+        drafter, policy = default_spec(path)
+    policy = policy or ("dspark" if drafter else "none")
+    if policy != "none" and not drafter:
+        raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|PATH)")
+    net, tok = load_model(path, cfg.device, cfg.dtype)
+    d = None
+    if drafter and policy != "none":
+        d = load_drafter(drafter, path, net.config, tok.token_id("<|mask|>") or 0)
+        if gamma is not None:
+            if not 1 <= gamma <= d.config.gamma:
+                raise ValueError(f"gamma must be in 1..{d.config.gamma} for this drafter")
+            d.config = d.config.replace(gamma=gamma)
+    engine = LLMEngine(net, tok, cfg, drafter=d, policy=policy, gate=gate)
+    if d is not None and engine.policy.needs_cost and profile != "off":
+        key = profile_key(str(path), f"{drafter}:{d.config.gamma}", cfg.device, cfg.dtype, d.config.gamma,
+                          cfg.max_num_batched_tokens)
+        prof = None if profile == "refresh" else load_cached(key)
+        if prof is None:
+            prof = measure.measure(engine, key)
+            save_cached(prof)
+        engine.runner.set_profile(prof)  # type: ignore[union-attr]
+    return engine

@@ -1,0 +1,66 @@
+"""Measure a `StepProfile` on the engine's own target, drafter and KV pool.
+
+Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
+(gamma+1)-token rows at a representative context length (the shape of a speculative
+step); drafter proposals are timed for R requests. Contexts are reserved in the real
+paged caches under throw-away ids and freed afterwards; their contents do not matter for
+timing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dspark.drafters.base import ProposeInput
+from dspark.engine.batch import BatchRow
+from dspark.spec.profile import StepProfile, grid, timed
+
+
+def _reserve(pool, ids: list[str], length: int) -> None:
+    for sid in ids:
+        pool.append(sid, length)
+
+
+def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepProfile:
+    runner = engine.runner
+    base, drafter = runner.base, runner.drafter
+    gamma, pool = drafter.gamma, engine.kv.pool
+    budget = engine.cfg.max_num_batched_tokens
+    max_r = min(engine.cfg.max_num_seqs, budget)
+    ctx = max(1, min(context_len, pool.num_blocks * pool.block_size // max(1, max_r) - gamma - 2, engine.max_model_len - gamma - 2))
+    taps = drafter.taps
+
+    def verify_time(b: int) -> float:
+        r = math.ceil(b / (gamma + 1))
+        sizes = [b // r + (1 if i < b % r else 0) for i in range(r)]
+        ids = [f"__profile{i}" for i in range(r)]
+        _reserve(pool, ids, ctx + gamma + 1)
+        rows = [BatchRow(sid, [1] * n, ctx + n, n) for sid, n in zip(ids, sizes, strict=True)]
+        try:
+            return timed(lambda: base.target_forward(rows, taps), repeats, base.device)
+        finally:
+            for sid in ids:
+                pool.free(sid)
+
+    def draft_time(r: int) -> float:
+        ids = [f"__profile{i}" for i in range(r)]
+        dpool = getattr(drafter, "pool", None)
+        if dpool is not None:
+            _reserve(dpool, ids, ctx)
+        inputs = [ProposeInput(sid, 1, ctx, [1] * ctx) for sid in ids]
+        t = torch.ones(r, device=base.device)
+        zeros = torch.zeros(r, dtype=torch.long, device=base.device)
+        try:
+            return timed(lambda: drafter.propose(inputs, t, t, zeros), repeats, base.device)
+        finally:
+            for sid in ids:
+                drafter.free(sid)
+
+    tokens = grid(budget)
+    requests = grid(max_r)
+    with torch.inference_mode():
+        verify_s = [verify_time(b) for b in tokens]
+        draft_s = [draft_time(r) for r in requests]
+    return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s)

@@ -1,0 +1,74 @@
+"""Drafter losses (DESIGN.md §3.2), all over blocks [..., gamma] with a validity mask.
+
+- DSpark: `0.1 * CE + 0.9 * L1 + 1.0 * conf`, each weighted per position by
+  w_k = exp(-(k-1)/gamma); L1 = ||p_d - p_t||_1 (p_d includes the sequential bias,
+  teacher-forced); conf = BCE(c_k, c*_k) with the soft label c*_k = 1 - ||p_d - p_t||_1 / 2
+  (detached).
+- DFlash / MTP: CE only. EAGLE-3: soft CE against the target, step weights 0.8^k.
+`acceptance` is the teacher-forced per-position acceptance used for progress reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.nn import functional as F
+
+
+@dataclass(frozen=True)
+class LossWeights:
+    ce: float = 0.1
+    tv: float = 0.9
+    conf: float = 1.0
+
+
+def position_weights(gamma: int, device, kind: str = "dspark") -> torch.Tensor:
+    k = torch.arange(gamma, device=device, dtype=torch.float32)
+    return 0.8**k if kind == "eagle3" else torch.exp(-k / gamma)
+
+
+def acceptance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
+    """1 - ||p_d - p_t||_1 / 2 per position: the probability that speculative sampling
+    accepts a token drawn from p_d when the target's distribution is p_t."""
+    return 1.0 - 0.5 * (p_draft - p_target).abs().sum(-1)
+
+
+def _weighted_mean(per_pos: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    w = weights * valid.float()  # [..., g]
+    return (per_pos * w).sum() / w.sum().clamp_min(1.0)
+
+
+def drafter_loss(
+    kind: str,
+    logits: torch.Tensor,  # [..., g, V] draft logits (float32)
+    conf_logits: torch.Tensor | None,  # [..., g]
+    target_logits: torch.Tensor,  # [..., g, V]
+    labels: torch.Tensor,  # [..., g] the target's tokens x*_k
+    valid: torch.Tensor,  # [..., g] bool: position inside the valid prefix
+    weights: LossWeights = LossWeights(),
+) -> tuple[torch.Tensor, dict[str, float]]:
+    g = logits.shape[-2]
+    w = position_weights(g, logits.device, kind)
+    logp_d = logits.log_softmax(-1)
+    p_t = target_logits.float().softmax(-1)
+    ce = -logp_d.gather(-1, labels[..., None])[..., 0]  # [..., g]
+    parts: dict[str, torch.Tensor] = {}
+    if kind == "eagle3":
+        parts["soft_ce"] = _weighted_mean(-(p_t * logp_d).sum(-1), w, valid)
+        total = parts["soft_ce"]
+    elif kind in ("dflash", "mtp"):
+        parts["ce"] = _weighted_mean(ce, w, valid)
+        total = parts["ce"]
+    else:
+        p_d = logp_d.exp()
+        l1 = (p_d - p_t).abs().sum(-1)
+        parts["ce"] = _weighted_mean(ce, w, valid)
+        parts["tv"] = _weighted_mean(l1, w, valid)
+        total = weights.ce * parts["ce"] + weights.tv * parts["tv"]
+        if conf_logits is not None:
+            soft = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
+            bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")
+            parts["conf"] = _weighted_mean(bce, w, valid)
+            total = total + weights.conf * parts["conf"]
+    return total, {k: float(v.detach()) for k, v in parts.items()}

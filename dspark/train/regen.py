@@ -1,0 +1,56 @@
+"""`dspark train regen`: the target answers the training prompts, so drafters learn the
+target's own distribution rather than the dataset's (DESIGN.md §3.2).
+
+Chat-form records of every domain (math questions, code completion tasks, "explain"
+prompts) are rendered with the chat template and answered through the project's own
+batched engine at temperature 0.7, top-p 0.8, top-k 20 (the paper's settings). Output:
+JSONL rows `{"domain", "prompt_ids", "response_ids", "finish_reason"}`.
+
+    dspark train regen --model dspark-tiny --corpus ~/.cache/dspark/corpus \
+        --out ~/.cache/dspark/regen/train.jsonl --per-domain 2000 --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.train.corpus import DOMAINS, chat_text, read_records, shuffled
+
+
+def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain."""
+    base = Path(corpus_dir).expanduser()
+    out = []
+    for domain in DOMAINS:
+        records = [r for r in read_records(base / f"{domain}.{split}.jsonl") if "prompt" in r]
+        out += [(domain, chat_text(r["prompt"])) for r in shuffled(records, seed)[:per_domain]]
+    return out
+
+
+def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train", per_domain: int = 2000,
+               max_tokens: int = 256, batch: int = 64, seed: int = 0, device: str = "cpu") -> int:
+    from dspark.config import EngineConfig
+    from dspark.llm import LLM
+    from dspark.sampling import SamplingParams
+
+    llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
+    prompts = chat_prompts(corpus_dir, split, per_domain, seed)
+    limit = llm.engine.max_model_len - max_tokens
+    out = Path(out_path).expanduser()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = sum(1 for _ in open(out)) if out.is_file() else 0  # resume an interrupted run
+    with open(out, "a") as f, tqdm(total=len(prompts), initial=done, desc=f"regen {split}") as bar:
+        for start in range(done, len(prompts), batch):
+            chunk = prompts[start : start + batch]
+            ids = [llm.tokenizer.encode(text)[-limit:] for _, text in chunk]
+            params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=max_tokens, seed=seed + start + i)
+                      for i in range(len(chunk))]
+            for (domain, _), p, o in zip(chunk, ids, llm.generate(ids, params), strict=True):
+                f.write(json.dumps({"domain": domain, "prompt_ids": p, "response_ids": o.token_ids,
+                                    "finish_reason": o.finish_reason}) + "\n")
+            f.flush()
+            bar.update(len(chunk))
+    return len(prompts)

@@ -1,0 +1,157 @@
+"""Sampled speculative decoding follows the target distribution exactly.
+
+A toy first-order Markov target p(x_k | x_{k-1}) and drafter q(x_k | x_{k-1}) over a
+3-token vocabulary, with a drafter confidence c_k that depends on the previous draft token
+(like DSpark's Markov confidence head). 10^5 independent requests run vectorised through
+the real `verify` and the real policies; the empirical joint of the first three emitted
+tokens is compared with the target's exact joint by a chi-square test. A deliberately
+look-back global search (Appendix A: no early stop) must be caught as biased.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dspark.sampling import probabilities
+from dspark.spec.schedule import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
+from dspark.spec.verify import verify
+
+V, GAMMA, N, TOKENS = 3, 3, 100_000, 3
+TARGET = torch.tensor([[1.2, 0.4, -0.5], [0.1, 1.0, 0.3], [-0.4, 0.2, 1.1]])  # logits of p(. | prev)
+DRAFT = torch.tensor([[0.2, 0.2, 0.0], [0.9, 0.1, 0.0], [0.0, -0.3, 0.8]])  # logits of q(. | prev)
+CONF = torch.tensor([0.8, 0.05, 0.95])  # c_k as a function of the previous draft token
+
+
+def processed(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    rows = logits.shape[0]
+    return probabilities(logits, torch.full((rows,), temperature), torch.full((rows,), top_p),
+                         torch.full((rows,), top_k, dtype=torch.long))
+
+
+def sps_cost(sps: dict[int, float]):
+    """A single-request cost from an SPS table (Appendix A's numbers by default)."""
+    return lambda r, b: 1.0 / sps.get(b, sps[max(sps)] * max(sps) / b)
+
+
+def per_pattern(policy: Policy, conf: torch.Tensor, cost) -> torch.Tensor:
+    """Apply a stateless policy to each request alone (R = 1), vectorised over the few
+    distinct confidence patterns."""
+    patterns, inverse = torch.unique(conf, dim=0, return_inverse=True)
+    lengths = torch.tensor([policy.choose(p[None], [GAMMA], 0, cost)[0] for p in patterns])
+    return lengths[inverse]
+
+
+class LookBack(Policy):
+    """The retrospective global search of Appendix A (no early stop): biased on purpose."""
+
+    name, needs_cost = "lookback", True
+
+    def choose(self, conf, caps, other_tokens, cost):
+        cands = candidates(conf, caps)
+        tau, best, best_k = float(len(caps)), len(caps) / cost(len(caps), len(caps)), 0
+        for i, c in enumerate(cands):
+            tau += c.survival
+            theta = tau / cost(len(caps), len(caps) + i + 1)
+            if theta > best:
+                best, best_k = theta, i + 1
+        ell = [0] * len(caps)
+        for c in cands[:best_k]:
+            ell[c.request] = max(ell[c.request], c.position)
+        return ell
+
+
+def simulate(choose, temperature=1.0, top_p=1.0, top_k=0, seed=0) -> torch.Tensor:
+    """[N, TOKENS] first tokens emitted by speculative decoding from anchor 0."""
+    torch.manual_seed(seed)
+    p_tab = processed(TARGET, temperature, top_p, top_k)  # [V, V]
+    q_tab = processed(DRAFT, temperature, top_p, top_k)
+    out = torch.full((N, TOKENS), -1, dtype=torch.long)
+    count = torch.zeros(N, dtype=torch.long)
+    anchor = torch.zeros(N, dtype=torch.long)
+    while bool((count < TOKENS).any()):
+        prev, drafts, conf = anchor, [], []
+        for _ in range(GAMMA):
+            conf.append(CONF[prev])
+            prev = torch.multinomial(q_tab[prev], 1)[:, 0]
+            drafts.append(prev)
+        tokens = torch.stack(drafts, 1)  # [N, G]
+        ctx = torch.cat([anchor[:, None], tokens], 1)  # x_0..x_G
+        target_probs = p_tab[ctx]  # [N, G+1, V]
+        draft_probs = q_tab[ctx[:, :GAMMA]]
+        lengths = choose(torch.stack(conf, 1))
+        verdict = verify(tokens, draft_probs, target_probs, lengths, [None] * N)
+        taken = []
+        for r, emitted in enumerate(verdict.tokens):
+            c = int(count[r])
+            keep = emitted[: max(0, TOKENS - c)]
+            out[r, c : c + len(keep)] = torch.tensor(keep, dtype=torch.long)
+            taken.append(len(keep))
+        count += torch.tensor(taken)
+        anchor = out[torch.arange(N), count - 1]
+    return out
+
+
+def chi_square_pvalue(samples: torch.Tensor, temperature=1.0, top_p=1.0, top_k=0) -> float:
+    p_tab = processed(TARGET, temperature, top_p, top_k).double()
+    cells = list(itertools.product(range(V), repeat=TOKENS))
+    expected = torch.tensor([p_tab[0, a] * p_tab[a, b] * p_tab[b, c] for a, b, c in cells]) * N
+    index = samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2]
+    observed = torch.bincount(index, minlength=V**TOKENS).double()
+    keep = expected > 0
+    assert int(observed[~keep].sum()) == 0, "a token the target gives zero probability was emitted"
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+PAYS = sps_cost({1: 1.0, 2: 0.9, 3: 0.8, 4: 0.62})  # verifying pays for confident prefixes only
+APPENDIX_A = sps_cost({1: 1.0, 2: 0.5, 3: 0.45, 4: 0.3})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", [Static(0), Static(1), Static(3), Threshold(0.5), DSpark()], ids=lambda p: p.name)
+def test_policies_are_lossless(policy):
+    samples = simulate(lambda conf: per_pattern(policy, conf, PAYS))
+    assert chi_square_pvalue(samples) > 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("knobs", [dict(temperature=0.7, top_k=2), dict(temperature=1.3, top_p=0.8)])
+def test_lossless_with_top_p_top_k(knobs):
+    samples = simulate(lambda conf: per_pattern(DSpark(), conf, PAYS), **knobs)
+    assert chi_square_pvalue(samples, **knobs) > 1e-3
+
+
+@pytest.mark.slow
+def test_async_budget_over_the_whole_batch_is_lossless():
+    policy = DSparkAsync()
+    batch_cost = lambda r, b: 1.0 + 2.0 * max(0, b - 1.4 * r) / r  # noqa: E731
+
+    def choose(conf):
+        return torch.tensor(policy.choose(conf, [GAMMA] * conf.shape[0], 0, batch_cost))
+
+    assert chi_square_pvalue(simulate(choose)) > 1e-3
+
+
+@pytest.mark.slow
+def test_look_back_search_is_caught_as_biased():
+    """The test has power: Appendix A's retrospective scheduler shifts the distribution."""
+    samples = simulate(lambda conf: per_pattern(LookBack(), conf, APPENDIX_A))
+    assert chi_square_pvalue(samples) < 1e-6
+    causal = simulate(lambda conf: per_pattern(make_policy("dspark"), conf, APPENDIX_A), seed=1)
+    assert chi_square_pvalue(causal) > 1e-3
+
+
+def test_greedy_verification_rule():
+    tokens = torch.tensor([[2, 1, 0]])
+    draft = torch.nn.functional.one_hot(tokens, V).float()
+    target = torch.nn.functional.one_hot(torch.tensor([[2, 1, 1, 0]]), V).float()
+    verdict = verify(tokens, draft, target, torch.tensor([3]), [None])
+    assert verdict.num_accepted == [2] and verdict.tokens == [[2, 1, 1]]
+    verdict = verify(tokens, draft, target, torch.tensor([2]), [None])
+    assert verdict.num_accepted == [2] and verdict.tokens == [[2, 1, 1]]  # bonus after a full prefix
+    verdict = verify(tokens, draft, target, torch.tensor([0]), [None])
+    assert verdict.num_accepted == [0] and verdict.tokens == [[2]]

@@ -117,6 +117,29 @@ def test_models_health_metrics(server, client):
         assert name in text, name
     assert metric(server, "dspark_generation_tokens_total") >= 4
     assert metric(server, "dspark_mean_accepted_length") == 1.0  # plain decoding: tau = 1
+    assert metric(server, "dspark_verification_budget_tokens_count") > 0
+    assert metric(server, "dspark_kv_blocks_used") + metric(server, "dspark_kv_blocks_free") == 256
+
+
+def test_speculative_counters_reach_metrics():
+    """Plain decoding leaves them 0, so feed RequestStats as a speculative step would."""
+    from dspark.engine.request import RequestStats
+    from dspark.server.metrics import RequestMeter, ServerMetrics
+
+    m, meter = ServerMetrics(), RequestMeter(arrival=0.0)
+    stats = RequestStats(completion_tokens=3, rounds=1, draft_tokens=4, verified_tokens=3, accepted_tokens=2,
+                         accepted_per_position=[1, 1, 0], verified_per_position=[1, 1, 1], first_token_time=0.5)
+    m.observe_request(meter, stats, now=0.5)
+    stats.completion_tokens, stats.rounds, stats.accepted_tokens = 4, 2, 2
+    stats.verified_per_position = [2, 1, 1]
+    m.observe_request(meter, stats, now=0.7)
+    value = m.registry.get_sample_value
+    assert value("dspark_accepted_tokens_total") == 2 and value("dspark_draft_tokens_total") == 4
+    assert value("dspark_accepted_tokens_per_position_total", {"position": "2"}) == 1
+    assert value("dspark_verified_tokens_per_position_total", {"position": "1"}) == 2
+    assert value("dspark_mean_accepted_length") == 2.0  # 4 tokens in 2 rounds
+    assert value("dspark_time_to_first_token_seconds_count") == 1
+    assert value("dspark_inter_token_latency_seconds_count") == 1
 
 
 def test_logprobs(server, client):

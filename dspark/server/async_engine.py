@@ -185,6 +185,11 @@ class AsyncEngine:
             self.dead = exc
             log.exception("engine loop died")
         finally:
+            self.accepting = False
+            while not self._commands.empty():  # adds that raced the stop become live, then fail
+                command = self._commands.get_nowait()
+                if command is not None:
+                    self._guarded(command)
             for rid in list(self._live):
                 self._fail(rid, ApiError(503, "the server is shutting down", code="unavailable"))
 
@@ -198,16 +203,20 @@ class AsyncEngine:
         while True:
             if command is None:
                 return False
-            try:
-                command()
-            except Exception:  # a command guards its own request; this is a last resort
-                log.exception("engine command failed")
+            self._guarded(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
         self._publish_queues()
         return True
+
+    @staticmethod
+    def _guarded(command: Callable[[], None]) -> None:
+        try:
+            command()
+        except Exception:  # each command guards its own request; this is a last resort
+            log.exception("engine command failed")
 
     def _add(self, stream: RequestStream, prompt_ids: list[int], params: SamplingParams, arrival: float) -> None:
         try:
@@ -248,6 +257,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         self._probe.plan = None
+        before = getattr(self.engine, "last_step", None)
         try:
             self.engine.step()
         except Exception as exc:
@@ -259,9 +269,11 @@ class AsyncEngine:
             for rid in victims or list(self._live):
                 self._fail(rid, ApiError(500, f"the engine failed on this request: {exc}", code="engine_error"))
             return
-        plan = self._probe.plan
+        plan, result = self._probe.plan, getattr(self.engine, "last_step", None)
         self._stalled = plan is not None and not getattr(plan, "scheduled", True)
-        if plan is not None and not self._stalled:
+        if result is not None and result is not before:  # the target's forward: prefill + sum(1 + l_r)
+            self.metrics.observe_verification_budget(int(result.num_forward_tokens))
+        elif plan is not None and not self._stalled:  # engines without last_step: what was scheduled
             self.metrics.observe_verification_budget(int(plan.num_tokens))
         self._publish(time.perf_counter())
 

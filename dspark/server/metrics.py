@@ -89,8 +89,8 @@ class ServerMetrics:
 
     # ---- engine-thread observations ------------------------------------------------
     def observe_verification_budget(self, num_tokens: int) -> None:
-        """One engine step's token budget. For now: all tokens scheduled in the step
-        (prefill chunks, anchors and draft slots); with a drafter, sum of (1 + l_r)."""
+        """Call once per engine step with the tokens of the target's forward: prefill chunks
+        plus sum over requests of (1 + l_r) (just the anchors under plain decoding)."""
         self.verification_budget.observe(num_tokens)
 
     def observe_queues(self, running: int, waiting: int, kv_used: int, kv_free: int) -> None:

@@ -79,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
     add_engine_args(s)
+    add_spec_args(s)
     add_serve(s)
 
     from dspark.train.commands import add_parser as add_train

@@ -22,7 +22,7 @@ from dspark.config import EngineConfig  # noqa: E402
 from dspark.engine.engine import LLMEngine  # noqa: E402
 from dspark.models.loader import load_model  # noqa: E402
 from dspark.server.app import ServeSettings, create_app  # noqa: E402
-from dspark.server.launch import ServerThread, build_engine  # noqa: E402
+from dspark.server.launch import ServerThread, build_engine, drafter_name  # noqa: E402
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Explain list comprehensions."}]
@@ -275,15 +275,41 @@ def test_raising_step_fails_its_requests_and_serving_goes_on(qwen3_dir):
         srv.stop()
 
 
+def serve_args(path: Path, *extra: str):
+    return build_parser().parse_args(["serve", "--model", str(path), "--device", "cpu", "--num-kv-blocks", "128",
+                                      "--served-model-name", MODEL, *extra])
+
+
 def test_serve_arguments_build_the_engine(qwen3_dir):
-    args = build_parser().parse_args(["serve", "--model", str(qwen3_dir), "--device", "cpu", "--policy", "static:3",
-                                      "--drafter", "dspark", "--max-num-seqs", "8", "--num-kv-blocks", "32"])
-    assert (args.policy, args.drafter, args.max_waiting, args.port) == ("static:3", "dspark", 256, 8000)
+    args = serve_args(qwen3_dir, "--max-num-seqs", "8", "--drafter", "ngram", "--policy", "static:3")
+    assert (args.policy, args.drafter, args.max_waiting, args.port) == ("static:3", "ngram", 256, 8000)
     engine = build_engine(args)
-    assert engine.cfg.max_num_seqs == 8 and engine.kv.pool.num_blocks == 32
-    for bad in (["--policy", "fastest"], ["--policy", "threshold:2"]):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(["serve", *bad])
+    assert engine.cfg.max_num_seqs == 8 and engine.kv.pool.num_blocks == 128
+    assert drafter_name(engine).startswith("ngram:") and engine.policy.name == "static:3"
+    assert build_engine(serve_args(qwen3_dir)).drafter is None  # no drafter named: plain decoding
+    with pytest.raises(ValueError):
+        build_engine(serve_args(qwen3_dir, "--drafter", "ngram", "--policy", "fastest"))
+
+
+def test_speculative_server_is_lossless_and_reports_drafting(qwen3_dir, client):
+    engine = build_engine(serve_args(qwen3_dir, "--drafter", "ngram", "--policy", "static:3"))
+    srv = ServerThread(create_app(engine, ServeSettings(model_name=MODEL, drafter=drafter_name(engine),
+                                                        policy=engine.policy.name))).start()
+    try:
+        spec = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0)
+        prompt = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+        body = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        out = spec.completions.create(**body)
+        assert out.choices[0].text == client.completions.create(**body).choices[0].text  # same as plain
+        usage = out.usage.model_dump()
+        assert usage["draft_tokens"] > 0 and usage["verified_tokens"] > 0 and usage["tau"] >= 1.0
+        streamed = "".join(c.choices[0].text for c in spec.completions.create(**body, stream=True))
+        assert streamed == out.choices[0].text
+        assert metric(srv, "dspark_verified_tokens_total") >= 2 * usage["verified_tokens"]
+        assert spec.models.list().data[0].model_dump()["policy"] == "static:3"
+        assert wait_idle(srv) == 0
+    finally:
+        srv.stop()
 
 
 @pytest.mark.slow

@@ -44,7 +44,7 @@ class ServeSettings:
     model_name: str = "dspark-tiny"
     max_waiting: int | None = 256  # requests queued beyond the running batch; more: 503
     retry_after_s: int = 1
-    drafter: str | None = None  # stored for speculative decoding (not wired into the engine yet)
+    drafter: str | None = None  # what /v1/models reports; the engine holds the real ones
     policy: str = "none"
 
 

@@ -5,30 +5,18 @@
         -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
 Only argument parsing lives here (importing it never imports FastAPI); see launch.py.
+--model/--device/--dtype and --drafter/--policy/--gamma are the CLI's shared engine options.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
-
-POLICY = re.compile(r"none|dspark|dspark-async|static:\d+|threshold:(0(\.\d+)?|1(\.0+)?|\.\d+)")
-
-
-def policy_name(text: str) -> str:
-    """argparse type for --policy: none, static:k, threshold:t, dspark, dspark-async (DESIGN.md §6)."""
-    if not POLICY.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}: use none, static:K, threshold:T, dspark, dspark-async")
-    return text
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: the directory name)")
-    p.add_argument("--drafter", default=None, help="drafter name or directory (default: none, plain decoding)")
-    p.add_argument("--policy", type=policy_name, default="none",
-                   help="none | static:K | threshold:T | dspark | dspark-async")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the running batch")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the batch; more get 503")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -42,12 +30,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dspark.server.app import ServeSettings, create_app
-    from dspark.server.launch import build_engine, model_name, serve
+    from dspark.server.launch import build_engine, drafter_name, model_name, serve
 
     if args.max_waiting < 0:
         raise ValueError("--max-waiting must be >= 0")
     engine = build_engine(args)
     settings = ServeSettings(model_name=model_name(args), max_waiting=args.max_waiting,
-                             drafter=args.drafter, policy=args.policy)
+                             drafter=drafter_name(engine), policy=engine.policy.name)
     serve(create_app(engine, settings), args.host, args.port, args.log_level, args.drain_timeout)
     return 0

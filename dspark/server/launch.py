@@ -11,7 +11,6 @@ also refuses new requests on open connections (503) and reports unhealthy meanwh
 from __future__ import annotations
 
 import argparse
-import logging
 import socket
 import threading
 import time
@@ -24,9 +23,7 @@ from fastapi import FastAPI
 
 from dspark.config import EngineConfig, default_device
 from dspark.engine.engine import LLMEngine
-from dspark.models.loader import DEFAULT_MODEL, load_model
-
-log = logging.getLogger("dspark.server")
+from dspark.models.loader import DEFAULT_MODEL
 
 
 def model_name(args: argparse.Namespace) -> str:
@@ -36,7 +33,9 @@ def model_name(args: argparse.Namespace) -> str:
 
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    """The engine `dspark serve` runs; drafter and policy plug in here once the engine takes them."""
+    """The engine `dspark serve` runs: model, drafter and policy by name (engine/factory.py)."""
+    from dspark.engine.factory import build_engine as from_names  # loads drafters: only when serving
+
     cfg = EngineConfig(
         device=getattr(args, "device", None) or default_device(), dtype=getattr(args, "dtype", "") or "",
         max_num_seqs=getattr(args, "max_num_seqs", 64),
@@ -44,12 +43,13 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_model_len=getattr(args, "max_model_len", None), num_kv_blocks=getattr(args, "num_kv_blocks", None),
         seed=getattr(args, "seed", 0),
     )
-    drafter, policy = getattr(args, "drafter", None), getattr(args, "policy", "none")
-    if drafter or policy != "none":
-        log.warning("speculative decoding is not in the engine yet: serving plain decoding "
-                    "(drafter=%s, policy=%s stored)", drafter, policy)
-    net, tokenizer = load_model(getattr(args, "model", None), cfg.device, cfg.dtype)
-    return LLMEngine(net, tokenizer, cfg)
+    return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
+                      policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None))
+
+
+def drafter_name(engine: LLMEngine) -> str | None:
+    drafter = getattr(engine, "drafter", None)
+    return None if drafter is None else f"{drafter.config.kind}:{drafter.config.gamma}"
 
 
 class DrainingServer(uvicorn.Server):

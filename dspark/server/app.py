@@ -94,13 +94,15 @@ def create_app(engine: LLMEngine, settings: ServeSettings | None = None) -> Fast
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()  # TTFT counts parsing and tokenising too
         body = parse_body(CompletionRequest, await request.body())
         check_model(body.model, settings)
         ids = encode(engine, body.single_prompt(), "prompt")
-        return await respond(request, aengine, body, ids, f"cmpl-{uuid.uuid4().hex}", chat=False)
+        return await respond(request, aengine, body, ids, f"cmpl-{uuid.uuid4().hex}", arrival, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
         body = parse_body(ChatCompletionRequest, await request.body())
         check_model(body.model, settings)
         try:
@@ -108,7 +110,7 @@ def create_app(engine: LLMEngine, settings: ServeSettings | None = None) -> Fast
         except Exception as exc:  # the template's own raise_exception, or a Jinja error
             raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from None
         ids = encode(engine, prompt, "messages")
-        return await respond(request, aengine, body, ids, f"chatcmpl-{uuid.uuid4().hex}", chat=True)
+        return await respond(request, aengine, body, ids, f"chatcmpl-{uuid.uuid4().hex}", arrival, chat=True)
 
     return app
 
@@ -132,8 +134,7 @@ def encode(engine: LLMEngine, prompt: str | list[int], param: str) -> list[int]:
 
 
 async def respond(request: Request, aengine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest,
-                  ids: list[int], request_id: str, chat: bool) -> Response:
-    arrival = time.perf_counter()
+                  ids: list[int], request_id: str, arrival: float, chat: bool) -> Response:
     params = sampling_params(body, len(ids), aengine.engine.max_model_len)
     settings: ServeSettings = request.app.state.settings
     shaper = Shaper(request_id, settings.model_name, chat, aengine.engine.tokenizer, params.logprobs is not None)

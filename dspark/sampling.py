@@ -69,7 +69,7 @@ def probabilities(
     probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
     before = probs_sorted.cumsum(-1) - probs_sorted
-    drop = drop | (before >= top_p[:, None])
+    drop = drop | ((before >= top_p[:, None]) & (ranks > 0))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
     return _with_greedy(probs, logits, greedy)

@@ -130,6 +130,7 @@ class LLMEngine:
         if not plan.scheduled:
             return []
         result = self.runner.step(plan.scheduled)
+        result.request_ids = [s.request.request_id for s in plan.scheduled]
         self.num_steps += 1
         self.last_step = result
         return self.update(plan.scheduled, result)

@@ -29,6 +29,7 @@ class StepResult:
     logprobs: dict[str, list[dict]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)  # KV length to keep per request
     num_forward_tokens: int = 0
+    request_ids: list[str] = field(default_factory=list)  # the requests this step ran
     # speculative bookkeeping (empty under plain decoding)
     drafted: dict[str, int] = field(default_factory=dict)  # draft tokens proposed per request
     verified: dict[str, int] = field(default_factory=dict)  # l_r per request

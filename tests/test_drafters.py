@@ -1,0 +1,172 @@
+"""Drafter invariants: attention masks, serving path == training path (cached context K/V,
+sequential bias sampled == teacher-forced), loss terms, anchors, save/load round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dspark.drafters.base import ContextRow, DrafterConfig, ProposeInput, save_drafter
+from dspark.drafters.dspark import block_mask
+from dspark.drafters.registry import load_drafter, new_config, new_drafter
+from dspark.kv_cache import PagedKVCache
+from dspark.models.loader import load_model
+from dspark.train.anchors import make_batch
+from dspark.train.losses import acceptance, drafter_loss
+
+
+@pytest.fixture(scope="module")
+def target(qwen3_dir):
+    net, tok = load_model(qwen3_dir)
+    return net
+
+
+def bound(kind: str, target, **over):
+    torch.manual_seed(1)
+    d = new_drafter(new_config(kind, target.config, 5, **over))
+    with torch.no_grad():  # non-trivial sequential head and confidence weights
+        for name, p in d.named_parameters():
+            if "w2" in name or "conf" in name:
+                p.normal_(0, 0.3)
+    d.bind(target, 64, 4)
+    return d
+
+
+def serve_vs_train(kind: str, target, context: list[int], head: str = "markov"):
+    """Greedy proposal through the paged serving path, then the teacher-forced training
+    forward over context + the drafted tokens: per-position logits must agree."""
+    d = bound(kind, target, **({"head": head} if kind == "dspark" else {}))
+    g, dev = d.gamma, "cpu"
+    ids = torch.tensor([context])
+    with torch.no_grad():
+        _, taps = target.forward_dense(ids, d.taps)
+    anchor_pos = len(context) - 1
+    d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
+    zeros = torch.zeros(1)
+    block = d.propose([ProposeInput("r", context[-1], anchor_pos, context[:-1])], zeros, torch.ones(1),
+                      torch.zeros(1, dtype=torch.long))
+    drafted = block.tokens[0].tolist()
+    full = torch.tensor([context + drafted])
+    with torch.no_grad():
+        _, taps_full = target.forward_dense(full, d.taps)
+        logits, conf = d.train_forward(taps_full, full, torch.tensor([[anchor_pos]]))
+    return d, block, logits[0, 0], conf
+
+
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
+def test_dspark_serving_equals_teacher_forced(target, head):
+    d, block, logits, conf = serve_vs_train("dspark", target, list(range(3, 20)), head)
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()  # greedy: same tokens
+    assert conf is not None and torch.allclose(block.confidence[0], torch.sigmoid(conf[0, 0]), atol=1e-5)
+    assert d.pool.length("r") == 16  # the block's temporary slots were rolled back
+
+
+@pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp"])
+def test_baselines_serving_equals_teacher_forced(target, kind):
+    _, block, logits, _ = serve_vs_train(kind, target, list(range(3, 20)))
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_block_mask_sees_only_context_before_the_anchor():
+    anchors = torch.tensor([[2, 5]])
+    mask = block_mask(anchors, 3, 8)[0, 0]  # [A*g, T + A*g]
+    ctx, own = mask[:, :8], mask[:, 8:]
+    assert ctx[:3].sum(1).tolist() == [2, 2, 2] and ctx[3:].sum(1).tolist() == [5, 5, 5]
+    assert own[:3, :3].all() and not own[:3, 3:].any() and own[3:, 3:].all()
+
+
+def test_context_at_or_after_the_anchor_does_not_leak(target):
+    d = bound("dspark", target)
+    tokens = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        _, taps = target.forward_dense(tokens, d.taps)
+        a, _ = d.train_forward(taps, tokens, torch.tensor([[8]]))
+        taps2 = taps.clone()
+        taps2[:, 8:] += torch.randn_like(taps2[:, 8:])
+        tokens2 = tokens.clone()
+        tokens2[:, 16:] = 7  # beyond the block's teacher inputs
+        b, _ = d.train_forward(taps2, tokens2, torch.tensor([[8]]))
+    assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_cached_context_kv_equals_recomputed(target):
+    """Extending the context in pieces (as rounds do) equals one extension."""
+    d1, d2 = bound("dspark", target), bound("dspark", target)
+    ids = list(range(3, 20))
+    with torch.no_grad():
+        _, taps = target.forward_dense(torch.tensor([ids]), d1.taps)
+    d1.extend([ContextRow("r", 0, ids, taps[0])])
+    d2.extend([ContextRow("r", 0, ids[:5], taps[0, :5])])
+    d2.extend([ContextRow("r", 5, ids[5:9], taps[0, 5:9])])
+    d2.extend([ContextRow("r", 9, ids[9:], taps[0, 9:])])
+    for c1, c2 in zip(d1.cache.layers, d2.cache.layers, strict=True):
+        s1 = torch.tensor(d1.pool.slots("r", 0, len(ids)))
+        s2 = torch.tensor(d2.pool.slots("r", 0, len(ids)))
+        assert torch.allclose(c1[0][s1], c2[0][s2], atol=1e-6) and torch.allclose(c1[1][s1], c2[1][s2], atol=1e-6)
+
+
+def test_loss_terms_on_hand_made_distributions():
+    p = torch.tensor([[0.7, 0.2, 0.1]])
+    logits = p.log()[None]  # [1, 1, V]
+    same = drafter_loss("dspark", logits, torch.zeros(1, 1), logits, torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool))
+    assert same[1]["tv"] == pytest.approx(0.0, abs=1e-6)
+    assert same[1]["ce"] == pytest.approx(-np.log(0.7), rel=1e-5)
+    assert same[1]["conf"] == pytest.approx(np.log(2.0), rel=1e-5)  # BCE(sigmoid(0)=0.5, label 1)
+    disjoint_d = torch.tensor([[[0.0, -30.0, -30.0]]])
+    disjoint_t = torch.tensor([[[-30.0, 0.0, -30.0]]])
+    out = drafter_loss("dspark", disjoint_d, torch.full((1, 1), 30.0), disjoint_t, torch.tensor([[1]]),
+                       torch.ones(1, 1, dtype=torch.bool))
+    assert out[1]["tv"] == pytest.approx(2.0, abs=1e-4)
+    assert out[1]["conf"] == pytest.approx(30.0, rel=1e-3)  # label 0, confident 1
+    assert acceptance(torch.tensor([0.5, 0.5]), torch.tensor([0.7, 0.3])).item() == pytest.approx(0.8)
+
+
+def test_invalid_positions_do_not_count():
+    logits = torch.randn(1, 2, 3)
+    valid = torch.tensor([[True, False]])
+    a = drafter_loss("dflash", logits[None], None, logits[None], torch.tensor([[[0, 1]]]), valid[None])[0]
+    logits2 = logits.clone()
+    logits2[0, 1] = 50.0
+    b = drafter_loss("dflash", logits2[None], None, logits[None], torch.tensor([[[0, 1]]]), valid[None])[0]
+    assert torch.allclose(a, b)
+
+
+def test_anchors_are_response_tokens_with_valid_prefix_labels():
+    rows = [{"prompt_ids": [1, 2, 3, 4], "response_ids": [10, 11, 12, 13, 14]},
+            {"prompt_ids": [1, 2], "response_ids": [20, 21]}]
+    batch = make_batch(rows, 16, 3, 4, np.random.default_rng(0))
+    for i, row in enumerate(rows):
+        p, length = len(row["prompt_ids"]), len(row["prompt_ids"]) + len(row["response_ids"])
+        for a in range(4):
+            if not batch.valid[i, a].any():
+                continue
+            pos = int(batch.anchors[i, a])
+            assert p <= pos < length - 1
+            v = batch.valid[i, a].tolist()
+            assert v == sorted(v, reverse=True)  # a contiguous prefix
+            for k in range(3):
+                if v[k]:
+                    assert int(batch.labels[i, a, k]) == int(batch.tokens[i, pos + k + 1])
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_save_load_round_trip(target, tmp_path, kind):
+    d = bound(kind, target)
+    save_drafter(d, d.config, tmp_path / kind)
+    loaded = load_drafter(str(tmp_path / kind))
+    assert loaded.config == d.config
+    for (k1, v1), (k2, v2) in zip(d.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert k1 == k2 and torch.equal(v1, v2)
+
+
+def test_drafter_config_rejects_bad_values():
+    with pytest.raises(ValueError):
+        DrafterConfig(kind="medusa")
+    with pytest.raises(ValueError):
+        DrafterConfig(head="none", confidence=True)
+
+
+def test_paged_cache_budget_is_respected(target):
+    cache = PagedKVCache(target.config, 4, 4, "cpu", torch.float32)
+    assert cache.bytes == 2 * target.config.num_hidden_layers * 16 * target.config.num_key_value_heads * target.config.head_dim * 4

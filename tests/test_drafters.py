@@ -37,7 +37,6 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov"):
     """Greedy proposal through the paged serving path, then the teacher-forced training
     forward over context + the drafted tokens: per-position logits must agree."""
     d = bound(kind, target, **({"head": head} if kind == "dspark" else {}))
-    g, dev = d.gamma, "cpu"
     ids = torch.tensor([context])
     with torch.no_grad():
         _, taps = target.forward_dense(ids, d.taps)

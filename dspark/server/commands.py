@@ -4,8 +4,11 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \
         -d '{"prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
-Only argument parsing lives here (importing it never imports FastAPI); see launch.py.
---model/--device/--dtype and --drafter/--policy/--gamma are the CLI's shared engine options.
+    dspark serve --backend ray --replicas 2 [--autoscale 1,4]   # Ray Serve (docs/scaling.md)
+
+Only argument parsing lives here (importing it never imports FastAPI or Ray); see launch.py
+and ray_backend.py. --model/--device/--dtype and --drafter/--policy/--gamma are the CLI's
+shared engine options.
 """
 
 from __future__ import annotations
@@ -25,17 +28,38 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--log-level", default="info")
+    add_ray_args(p)
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    from dspark.server.app import ServeSettings, create_app
-    from dspark.server.launch import build_engine, drafter_name, model_name, serve
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["local", "ray"], default="local",
+                   help="local: one process (default); ray: Ray Serve replicas, one engine each")
+    p.add_argument("--replicas", type=int, default=1, help="ray: engine replicas (with --autoscale: the initial count)")
+    p.add_argument("--autoscale", type=min_max, default=None, metavar="MIN,MAX",
+                   help="ray: let Ray Serve scale the replicas between MIN and MAX")
+    p.add_argument("--ray-address", default=None,
+                   help="ray: cluster to join (default: one started with `ray start` on this node, else a new local one)")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="ray: CPUs reserved per replica")
+    p.add_argument("--replica-gpus", type=float, default=None, help="ray: GPUs per replica (default: 1 with --device cuda*)")
 
-    if args.max_waiting < 0:
-        raise ValueError("--max-waiting must be >= 0")
-    engine = build_engine(args)
-    settings = ServeSettings(model_name=model_name(args), max_waiting=args.max_waiting,
-                             drafter=drafter_name(engine), policy=engine.policy.name)
-    serve(create_app(engine, settings), args.host, args.port, args.log_level, args.drain_timeout)
+
+def min_max(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not 0 <= lo <= hi or hi < 1:
+        raise argparse.ArgumentTypeError(f"need 0 <= MIN <= MAX and MAX >= 1, got {text!r}")
+    return lo, hi
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.backend == "ray":
+        from dspark.server.ray_backend import run as run_ray  # imports Ray: only on this path
+
+        return run_ray(args)
+    from dspark.server.launch import build_app, serve
+
+    serve(build_app(args), args.host, args.port, args.log_level, args.drain_timeout)
     return 0

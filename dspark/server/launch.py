@@ -2,6 +2,7 @@
 
     engine = build_engine(args)                  # args: see `dspark serve --help`
     serve(create_app(engine, settings), host, port)   # SIGTERM drains, then exits
+    app = build_app(args)                        # engine + settings + app in one call (also each Ray replica)
     with ServerThread(app) as srv: httpx.get(srv.url + "/health")   # tests, benchmarks
 
 On SIGTERM (or Ctrl-C) uvicorn stops listening and waits for in-flight responses; the app
@@ -45,6 +46,18 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     )
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
                       policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None))
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The whole served app from `dspark serve` arguments (one per process or Ray replica)."""
+    from dspark.server.app import ServeSettings, create_app
+
+    if args.max_waiting < 0:
+        raise ValueError("--max-waiting must be >= 0")
+    engine = build_engine(args)
+    settings = ServeSettings(model_name=model_name(args), max_waiting=args.max_waiting,
+                             drafter=drafter_name(engine), policy=engine.policy.name)
+    return create_app(engine, settings)
 
 
 def drafter_name(engine: LLMEngine) -> str | None:

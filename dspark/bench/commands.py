@@ -1,4 +1,10 @@
-"""`dspark bench ...` subcommands. Results go to docs/results/ by default."""
+"""`dspark bench ...` subcommands. Results go to docs/results/ by default (--quick: /tmp).
+
+    dspark bench decode    plain decoding vs transformers generate()
+    dspark bench offline   tau per dataset, acceptance per position, threshold sweep (Table 1, Figs. 2, 5)
+    dspark bench online    closed-loop serving frontier and verification budget (Figs. 7, 8)
+    dspark bench peers     single stream vs transformers generate() (greedy, prompt lookup)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,27 @@ import argparse
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def _names(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _out(args: argparse.Namespace, name: str) -> str:
+    from dspark.bench.report import DEFAULT_OUT
+
+    return args.out or (f"/tmp/dspark-bench-quick/{name}" if args.quick else DEFAULT_OUT)
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="built-in name or HF-format directory (default dspark-tiny)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    p.add_argument("--out", default=None, help="output directory (default docs/results, --quick: /tmp)")
+    p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (never a speed claim)")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -20,6 +47,52 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     d.add_argument("--out", default=None)
     d.set_defaults(func=run_decode)
 
+    o = sub.add_parser("offline", help="tau per dataset, acceptance per position, threshold sweep (batch size 1)")
+    _common(o)
+    o.add_argument("--drafters", type=_names, default=None, help="names or directories (default: all five kinds)")
+    o.add_argument("--datasets", type=_names, default=None, help="shipped sets (default: all five)")
+    o.add_argument("--prompts", default=None, help="a JSONL file with `turns` or `prompt` (+ optional `domain`)")
+    o.add_argument("--num-prompts", type=int, default=None, help="per dataset (default 16)")
+    o.add_argument("--max-tokens", type=int, default=None, help="default 256")
+    o.add_argument("--temperature", type=_floats, default=None, help="one or more, e.g. 0,1 (default 0)")
+    o.add_argument("--gamma", type=int, default=7)
+    o.add_argument("--thresholds", type=_floats, default=None, help="sweep for DSpark drafters (default 0.0..0.9)")
+    o.add_argument("--seed", type=int, default=0)
+    o.set_defaults(func=run_offline)
+
+    n = sub.add_parser("online", help="closed-loop clients: throughput vs per-user speed, verification budget")
+    _common(n)
+    n.add_argument("--configs", default=None, help="';'-separated 'none' or 'drafter:policy'")
+    n.add_argument("--concurrency", type=_ints, default=None, help="default 1,2,4,8,16,32,64")
+    n.add_argument("--requests-per-client", type=int, default=None, help="default 4")
+    n.add_argument("--duration", type=float, default=None, help="send for this many seconds instead")
+    n.add_argument("--workload", choices=["mixed", "hostile"], default="mixed")
+    n.add_argument("--datasets", type=_names, default=None)
+    n.add_argument("--prompts", default=None, help="a JSONL prompts file instead of the shipped sets")
+    n.add_argument("--num-prompts", type=int, default=None, help="per dataset (default 64)")
+    n.add_argument("--max-tokens", type=int, default=None, help="default 128")
+    n.add_argument("--temperature", type=float, default=0.0)
+    n.add_argument("--ignore-eos", action="store_true")
+    n.add_argument("--gamma", type=int, default=None, help="cap every drafter's block size")
+    n.add_argument("--seed", type=int, default=0)
+    n.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
+    n.add_argument("--sla", type=_floats, default=None, help="per-user tok/s levels for the summary")
+    n.add_argument("--url", default=None, help="comma-separated running servers to load instead")
+    n.set_defaults(func=run_online)
+
+    q = sub.add_parser("peers", help="single stream vs transformers generate() (greedy, prompt lookup)")
+    _common(q)
+    q.add_argument("--num-prompts", type=int, default=None, help="per dataset (default 4)")
+    q.add_argument("--max-tokens", type=int, default=None, help="default 128")
+    q.add_argument("--repeats", type=int, default=None, help="alternating passes (default 1)")
+    q.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
+    q.set_defaults(func=run_peers)
+
+
+def _given(args: argparse.Namespace, **names: str) -> dict:
+    """Settings fields from the arguments the user set (None: keep the default or preset)."""
+    return {field: getattr(args, arg) for field, arg in names.items() if getattr(args, arg) is not None}
+
 
 def run_decode(args: argparse.Namespace) -> int:
     from dspark.bench import decode
@@ -29,4 +102,47 @@ def run_decode(args: argparse.Namespace) -> int:
         args.concurrency, args.max_tokens, args.repeats = [1, 4], 16, 1
     decode.run(args.model, args.concurrency, args.max_tokens, args.repeats, args.out or (
         "/tmp/dspark-bench-quick" if args.quick else DEFAULT_OUT))
+    return 0
+
+
+def run_offline(args: argparse.Namespace) -> int:
+    from dspark.bench import offline
+
+    fields = dict(offline.QUICK) if args.quick else {}
+    fields.update(_given(args, model="model", device="device", prompts_file="prompts", num_prompts="num_prompts",
+                         max_tokens="max_tokens", gamma="gamma", seed="seed"))
+    for field, arg in (("drafters", "drafters"), ("datasets", "datasets"), ("temperatures", "temperature"),
+                       ("thresholds", "thresholds")):
+        if getattr(args, arg) is not None:
+            fields[field] = tuple(getattr(args, arg))
+    offline.run(offline.OfflineSettings(**fields), _out(args, "offline"))
+    return 0
+
+
+def run_online(args: argparse.Namespace) -> int:
+    from dspark.bench import online
+
+    fields: dict = {}
+    if args.quick:
+        fields = dict(concurrency=(1, 4), requests_per_client=2, num_prompts=4, max_tokens=16,
+                      configs=online.quick_configs(args.model) if not args.url else online.CONFIGS)
+    fields.update(_given(args, model="model", device="device", configs="configs", requests_per_client="requests_per_client",
+                         duration_s="duration", prompts_file="prompts", num_prompts="num_prompts",
+                         max_tokens="max_tokens", gamma="gamma", url="url"))
+    fields.update(workload=args.workload, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
+                  profile=args.profile)
+    for field, arg in (("concurrency", "concurrency"), ("datasets", "datasets"), ("slas", "sla")):
+        if getattr(args, arg) is not None:
+            fields[field] = tuple(getattr(args, arg))
+    online.run(online.OnlineSettings(**fields), _out(args, "online"))
+    return 0
+
+
+def run_peers(args: argparse.Namespace) -> int:
+    from dspark.bench import peers
+
+    fields = dict(peers.QUICK) if args.quick else {}
+    fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
+                         repeats="repeats", profile="profile"))
+    peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
     return 0

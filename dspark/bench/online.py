@@ -1,0 +1,239 @@
+"""`dspark bench online`: closed-loop serving load per configuration and concurrency -- the
+throughput-interactivity frontier (Fig. 7) and the verification budget under load (Fig. 8).
+
+    dspark bench online --configs "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async" \
+        --concurrency 1,2,4,8,16,32,64 --requests-per-client 4
+    dspark bench online --workload hostile --configs "none;dspark:dspark"   # never slower than none?
+    dspark bench online --url http://127.0.0.1:8000,http://127.0.0.1:8001  # running servers
+    dspark bench online --quick                                              # ~1 minute smoke run
+
+A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
+engine/factory.py, warmed up, then driven by C closed-loop clients (loop.py) at every C in
+turn. Workloads: `mixed` (math, code and chat prompts interleaved, chat-templated) and
+`hostile` (random token strings: drafts are almost always rejected). With `--url` every URL
+is one configuration (its /v1/models card names drafter and policy) and the load goes over
+HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png, with ratios
+against `none` (or the first configuration) measured in the same run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.bench import frontier, plots, report
+from dspark.bench.loop import LoopResult, closed_loop
+from dspark.bench.prompts import DATASETS
+from dspark.bench.summary import latency, speculation
+from dspark.bench.workload import (
+    Job,
+    Spec,
+    drafter_gamma,
+    engine_config,
+    hostile,
+    interleave,
+    parse_configs,
+    render,
+    select,
+)
+
+CONFIGS = "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async"
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class OnlineSettings:
+    model: str | None = None
+    configs: str = CONFIGS
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    requests_per_client: int | None = 4
+    duration_s: float | None = None  # instead of requests_per_client: send until this many seconds
+    workload: str = "mixed"  # mixed | hostile
+    datasets: tuple[str, ...] = DATASETS
+    prompts_file: str | None = None
+    num_prompts: int = 64  # per dataset (mixed) or in all (hostile)
+    hostile_prompt_tokens: int = 128
+    max_tokens: int = 128
+    temperature: float = 0.0
+    ignore_eos: bool = False
+    gamma: int | None = None  # None: each drafter's own block size
+    seed: int = 0
+    profile: str = "auto"  # step profile for dspark policies: auto | refresh | off
+    url: str | None = None  # comma-separated server URLs: benchmark those instead
+    slas: tuple[float, ...] | None = None  # per-user tok/s levels (default: the reference's points)
+    device: str | None = None
+
+
+def quick_configs(model: str | None) -> str:
+    """The --quick configurations: shipped drafters when present, else the weight-free n-gram."""
+    from dspark.models.loader import resolve_model_path
+
+    path = resolve_model_path(model)
+    if drafter_gamma("dspark", path) is not None:
+        return "none;mtp:static:1;dspark:dspark" if drafter_gamma("mtp", path) else "none;dspark:static:7;dspark:dspark"
+    return "none;ngram:static:7;ngram:dspark"
+
+
+def jobs_for(s: OnlineSettings, tok, context: int) -> list[Job]:
+    if s.workload == "hostile":
+        return hostile(tok, s.num_prompts, min(s.hostile_prompt_tokens, context // 2), s.seed)
+    if s.workload != "mixed":
+        raise ValueError(f"unknown workload {s.workload!r}; expected mixed or hostile")
+    limit = context - s.max_tokens - (s.gamma or 7) - 2
+    return interleave(render(tok, select(list(s.datasets), s.prompts_file, s.num_prompts), limit))
+
+
+def per_client(s: OnlineSettings) -> int | None:
+    return None if s.duration_s else s.requests_per_client
+
+
+def row_for(config: str, c: int, res: LoopResult, extra: dict) -> dict:
+    spec = speculation(res.outputs)
+    return {"config": config, "concurrency": c, **latency(res.outputs, res.wall_s),
+            "budget": spec["budget"], "tau": spec["tau"], "acceptance_rate": spec["acceptance_rate"],
+            "completion_tokens": spec["completion_tokens"], "verified_tokens": spec["verified_tokens"],
+            "accepted_tokens": spec["accepted_tokens"], "steps": res.steps,
+            "peak_rss_mib": None if res.peak_rss_bytes is None else res.peak_rss_bytes / MiB,
+            "rss_scope": res.rss_scope, "peak_kv_blocks": res.peak_kv_blocks,
+            "peak_drafter_cache_mib": None if res.peak_drafter_cache_bytes is None else res.peak_drafter_cache_bytes / MiB,
+            "peak_gpu_mib": None if res.peak_gpu_bytes is None else res.peak_gpu_bytes / MiB, **extra}
+
+
+def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict], list[str]]:
+    from dspark.engine.factory import build_engine
+    from dspark.sampling import SamplingParams
+
+    def params(i: int, max_tokens: int = s.max_tokens) -> SamplingParams:
+        return SamplingParams(temperature=s.temperature, max_tokens=max_tokens, seed=s.seed + i,
+                              ignore_eos=s.ignore_eos)
+
+    specs: list[Spec] = parse_configs(s.configs)
+    gammas = {sp.label: drafter_gamma(sp.drafter, path) if sp.drafter else 0 for sp in specs}
+    skipped = [label for label, g in gammas.items() if g is None]
+    for label in skipped:
+        print(f"skipping config {label!r}: no drafter checkpoint for this model")
+    longest = max(len(j.ids) for j in jobs) + s.max_tokens + max(g or 0 for g in gammas.values()) + 2
+    cfg = engine_config(path, max(s.concurrency), longest, s.device)
+    rows = []
+    for sp in specs:
+        native = gammas[sp.label]
+        if native is None:
+            continue
+        gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
+        engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile)
+        closed_loop(engine, jobs[:2], 2, lambda i: params(i, 8), per_client=1)  # warm-up
+        kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
+        for c in tqdm(s.concurrency, desc=sp.label, disable=None):
+            runner = engine.runner
+            before = getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)
+            bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"C={c}", leave=False, disable=None)
+            res = closed_loop(engine, jobs, c, params, per_client(s), s.duration_s, lambda b=bar: b.update())
+            bar.close()
+            steps = getattr(runner, "steps", 0) - before[1]
+            drafted = (getattr(runner, "drafted_steps", 0) - before[0]) / steps if steps else None
+            rows.append(row_for(sp.label, c, res, {
+                "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
+                "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
+                "drafted_step_fraction": drafted if engine.drafter else None}))
+        del engine
+    return rows, skipped
+
+
+def run_http(s: OnlineSettings, jobs: list[Job]) -> list[dict]:
+    from dspark.bench import http_loop
+
+    rows = []
+    for url in [u.strip() for u in (s.url or "").split(",") if u.strip()]:
+        card = http_loop.server_info(url)
+        label = f"{card.get('drafter') or 'none'}:{card.get('policy') or 'none'}"
+        label = "none" if card.get("policy") in (None, "none") else label
+        if any(r["config"] == label for r in rows):
+            label = f"{label}@{url.split('//')[-1]}"
+        body = {"model": card.get("id"), "max_tokens": s.max_tokens, "temperature": s.temperature,
+                "ignore_eos": s.ignore_eos, "seed": s.seed}
+        http_loop.closed_loop(url, jobs[:2], 1, {**body, "max_tokens": 8}, per_client=1)  # warm-up
+        for c in tqdm(s.concurrency, desc=label, disable=None):
+            res = http_loop.closed_loop(url, jobs, c, body, per_client(s), s.duration_s)
+            rows.append(row_for(label, c, res, {"url": url, "drafter": card.get("drafter"), "policy": card.get("policy")}))
+    return rows
+
+
+def run(s: OnlineSettings, out: str | Path) -> dict:
+    from dspark.models.loader import read_config, resolve_model_path
+    from dspark.models.tokenizer import TextTokenizer
+
+    path = resolve_model_path(s.model)
+    jobs = jobs_for(s, TextTokenizer.from_dir(path), read_config(path).max_position_embeddings)
+    rows, skipped = (run_http(s, jobs), []) if s.url else run_local(s, jobs, path)
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    reference = "none" if "none" in configs else (configs[0] if configs else "none")
+    summary = frontier.summarize(rows, reference, s.slas)
+    ratios = frontier.ratios_by_concurrency(rows, reference)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if rows:
+        plots.frontier(rows, out / "frontier.png", f"{path.name}, {s.workload} workload")
+        plots.budget(rows, out / "budget.png")
+    payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "reference": reference,
+               "skipped_configs": skipped, "rows": rows, "ratios": ratios, "frontier": summary}
+    md = markdown(rows, ratios, summary, s, path, skipped)
+    report.write(out, "online", payload, md)
+    print(md)
+    return payload
+
+
+def _f(v):
+    return "–" if v is None else v
+
+
+def _kv(r: dict) -> str:
+    if r["peak_kv_blocks"] is None:
+        return "–"
+    return str(r["peak_kv_blocks"]) + (f" ({r['peak_kv_mib']:.2f})" if r.get("peak_kv_mib") is not None else "")
+
+
+def _cell(entry: dict, config: str) -> str:
+    v, r = entry["values"][config], entry["ratio_vs_reference"][config]
+    return "–" if v is None else f"{v:.1f}" + ("" if r is None else f" ({r:.2f}×)")
+
+
+def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list[str]) -> str:
+    load = f"{s.requests_per_client} requests per client" if s.duration_s is None else f"{s.duration_s} s of sending"
+    md = [f"# Online closed-loop serving: model `{path.name}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
+          f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
+          f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
+          "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
+          "per-user tok/s = a request's tokens after the first over the time since its first token.\n"]
+    if skipped:
+        md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")
+    head = ["config", "C", "tok/s", "per-user mean", "per-user p50", "TTFT mean s", "TTFT p50 s", "budget", "τ",
+            "accept rate", "peak RSS MiB", "peak KV blocks (MiB)", "drafter cache MiB"]
+    table = [[r["config"], r["concurrency"], _f(r["throughput_tok_s"]), _f(r["per_user_tok_s_mean"]),
+              _f(r["per_user_tok_s_p50"]), _f(r["ttft_mean_s"]), _f(r["ttft_p50_s"]), _f(r["budget"]), _f(r["tau"]),
+              _f(r["acceptance_rate"]), _f(r["peak_rss_mib"]),
+              _kv(r), _f(r["peak_drafter_cache_mib"])] for r in rows]
+    md += ["\n## Per configuration and concurrency\n\n", report.table(head, table)]
+    ref = summary["reference"]
+    if ratios:
+        md += [f"\n## Ratios vs `{ref}` at the same concurrency\n\n",
+               report.table(["config", "C", "throughput ×", "per-user ×"],
+                            [[r["config"], r["concurrency"], _f(r["throughput_ratio"]), _f(r["per_user_ratio"])]
+                             for r in ratios])]
+        for config in dict.fromkeys(r["config"] for r in ratios):
+            worst = min((r for r in ratios if r["config"] == config and r["throughput_ratio"] is not None),
+                        key=lambda r: r["throughput_ratio"], default=None)
+            if worst is not None:
+                md.append(f"\n- `{config}`: lowest throughput ratio vs `{ref}` {worst['throughput_ratio']:.3f} "
+                          f"(C = {worst['concurrency']})")
+        md.append("\n")
+    for key, title, unit in (("sla", "Aggregate tok/s at per-user speed SLAs", "per-user tok/s ≥"),
+                             ("matched", "Per-user tok/s at matched aggregate throughput", "aggregate tok/s ≥")):
+        entries = summary[key]
+        if entries:
+            md.append(f"\n## {title} (× `{ref}`; – = the curve never gets there)\n\n")
+            md.append(report.table(["config", *(f"{unit} {e['level']:.1f}" for e in entries)],
+                                   [[c, *(_cell(e, c) for e in entries)] for c in entries[0]["values"]]))
+    md.append("\n![frontier](frontier.png)\n![budget](budget.png)\n")
+    return "".join(md)

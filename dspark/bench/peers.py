@@ -1,0 +1,141 @@
+"""`dspark bench peers`: single-stream decoding speed of this engine against Hugging Face
+`transformers` `generate()` on the same checkpoint, prompts and number of new tokens.
+
+    dspark bench peers --max-tokens 128 --num-prompts 4 --repeats 2
+    dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
+
+Four systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+`generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
+plainly (`none`) and this engine with the model's default drafter and policy
+(engine/factory.py `default_spec`; when no drafter is shipped for the model, `ngram:dspark`
+stands in and the report says so). Runs alternate prompt by prompt, the order rotating, so
+drift hits every system alike; results are tok/s over all prompts and ratios, plus whether
+each system's greedy tokens match transformers' (a sanity check, not a speed claim).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from dspark.bench import report
+from dspark.bench.prompts import Prompt, load_dataset
+from dspark.bench.summary import ratio
+from dspark.bench.workload import engine_config, render
+
+
+@dataclass(frozen=True)
+class PeersSettings:
+    model: str | None = None
+    datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
+    num_prompts: int = 4  # per dataset
+    max_tokens: int = 128
+    repeats: int = 1
+    lookup_tokens: int = 7
+    profile: str = "auto"
+    device: str | None = None
+
+
+QUICK = dict(num_prompts=1, max_tokens=32, repeats=1)
+
+
+def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    ids = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, ids
+
+
+def engine_system(engine, max_tokens: int):
+    from dspark.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return lambda ids: engine.run_until_done([engine.add_request(ids, params)])[0].token_ids
+
+
+def hf_system(hf, max_tokens: int, pad_id: int, **extra):
+    def generate(ids: list[int]) -> list[int]:
+        x = torch.tensor([ids], device=hf.device)
+        with torch.inference_mode():
+            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
+                            min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+        return y[0, len(ids):].tolist()
+
+    return generate
+
+
+def run(s: PeersSettings, out: str | Path) -> dict:
+    import transformers
+
+    from dspark.engine.factory import build_engine, default_spec
+    from dspark.models.loader import read_config, resolve_model_path
+    from dspark.models.tokenizer import TextTokenizer
+
+    path = resolve_model_path(s.model)
+    tok = TextTokenizer.from_dir(path)
+    drafter, policy = default_spec(path)
+    note = None
+    if drafter is None:
+        drafter, policy = "ngram", "dspark"
+        note = "no drafter is shipped for this model: `ngram:dspark` stands in for the default drafter"
+    prompts: list[Prompt] = [p for d in s.datasets for p in load_dataset(d)[: s.num_prompts]]
+    context = read_config(path).max_position_embeddings
+    jobs = render(tok, prompts, context - s.max_tokens - 16)
+    cfg = engine_config(path, 1, max(len(j.ids) for j in jobs) + s.max_tokens + 16, s.device)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype).to(cfg.device).eval()
+    pad = tok.token_id("<|endoftext|>") or 0
+    spec_label = f"dspark {drafter}:{policy}"
+    systems = {
+        "transformers generate": hf_system(hf, s.max_tokens, pad),
+        f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, s.max_tokens, pad,
+                                                                     prompt_lookup_num_tokens=s.lookup_tokens),
+        "dspark none": engine_system(build_engine(path, None, "none", cfg), s.max_tokens),
+        spec_label: engine_system(build_engine(path, drafter, policy, cfg, profile=s.profile), s.max_tokens),
+    }
+    names = list(systems)
+    for fn in systems.values():  # warm-up
+        fn(jobs[0].ids[-32:])
+    seconds = dict.fromkeys(names, 0.0)
+    tokens = dict.fromkeys(names, 0)
+    same = dict.fromkeys(names, 0)
+    runs = [(r, i) for r in range(s.repeats) for i in range(len(jobs))]
+    for r, i in tqdm(runs, desc="peers", disable=None):
+        shift = (r * len(jobs) + i) % len(names)
+        outputs = {}
+        for name in names[shift:] + names[:shift]:
+            dt, ids = _timed(lambda fn=systems[name], p=jobs[i].ids: fn(p), hf.device)
+            seconds[name] += dt
+            tokens[name] += len(ids)
+            outputs[name] = ids
+        for name in names:
+            same[name] += outputs[name] == outputs[names[0]]
+    rows = [{"system": n, "tok_s": tokens[n] / seconds[n], "tokens": tokens[n], "seconds": seconds[n],
+             "vs_transformers": ratio(tokens[n] / seconds[n], tokens[names[0]] / seconds[names[0]]),
+             "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
+             "greedy_match_fraction": same[n] / len(runs)} for n in names]
+    md = markdown(rows, s, path, note)
+    payload = {"benchmark": "peers", "model": str(path), "settings": asdict(s), "drafter": drafter,
+               "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows}
+    report.write(out, "peers", payload, md)
+    print(md)
+    return payload
+
+
+def markdown(rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:
+    md = [f"# Single stream: dspark vs transformers on `{path.name}`\n\n",
+          f"Greedy, exactly {s.max_tokens} new tokens per prompt (EOS ignored), {s.num_prompts} prompts from each of "
+          f"{', '.join(s.datasets)} (chat template), {s.repeats} alternating pass(es), order rotating per prompt.\n"]
+    if note:
+        md.append(f"\nNote: {note}.\n")
+    md.append("\n" + report.table(
+        ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers"],
+        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"]]
+         for r in rows]))
+    return "".join(md)

@@ -1,0 +1,140 @@
+"""What a benchmark runs: prompts rendered to token ids, and engines built per configuration.
+
+Shared by `dspark bench offline | online | peers` (not a command itself):
+- `select(datasets, prompts_file, n)`: n prompts per shipped dataset, or from a user JSONL;
+- `render(tokenizer, prompts, limit)`: the chat template applied, encoded, the last `limit`
+  token ids kept (so the generation prompt survives truncation);
+- `interleave` (the `mixed` workload: math, code and chat in the same batch) and
+  `hostile` (random token strings, on which almost every draft token is rejected);
+- `Spec` / `parse_configs`: `none` or `drafter:policy`, e.g. `dspark:dspark-async`;
+- `drafter_gamma`: the block size a named drafter would load with (None when missing).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.bench.prompts import DATASETS, Prompt, load_dataset, read_prompts
+
+
+@dataclass(frozen=True)
+class Job:
+    """One prompt ready for the engine."""
+
+    ids: list[int]
+    dataset: str
+    domain: str
+
+
+def select(datasets: list[str] | None, prompts_file: str | None, n: int) -> list[Prompt]:
+    """`n` prompts per dataset (the first n of each shipped subset), or the first n of a file."""
+    if prompts_file:
+        return read_prompts(prompts_file)[:n]
+    return [p for d in (datasets or list(DATASETS)) for p in load_dataset(d)[:n]]
+
+
+def render(tokenizer, prompts: list[Prompt], limit: int) -> list[Job]:
+    """Chat-template each prompt as one user turn (plain text when there is no template)."""
+    jobs = []
+    for p in prompts:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": p.text}])
+        except ValueError:
+            text = p.text
+        jobs.append(Job(tokenizer.encode(text)[-limit:], p.dataset, p.domain))
+    return jobs
+
+
+def interleave(jobs: list[Job]) -> list[Job]:
+    """Round-robin over datasets, so consecutive requests come from different domains."""
+    groups: dict[str, list[Job]] = {}
+    for j in jobs:
+        groups.setdefault(j.dataset, []).append(j)
+    lists = list(groups.values())
+    return [g[i] for i in range(max(map(len, lists), default=0)) for g in lists if i < len(g)]
+
+
+def hostile(tokenizer, n: int, length: int, seed: int = 0) -> list[Job]:
+    """Random token strings (special tokens excluded), passed to the engine as id lists."""
+    rng = random.Random(seed)
+    special = {i for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+               if (i := tokenizer.token_id(t)) is not None}
+    pool = [i for i in range(tokenizer.vocab_size) if i not in special]
+    return [Job([rng.choice(pool) for _ in range(length)], "random", "hostile") for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A served configuration: `none`, or a drafter (name or directory) with a policy."""
+
+    drafter: str | None
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return "none" if self.drafter is None else f"{drafter_label(self.drafter)}:{self.policy}"
+
+
+def drafter_label(name: str) -> str:
+    """A shipped name as is; a directory by its last component."""
+    return Path(name).name if "/" in name else name
+
+
+def parse_configs(text: str) -> list[Spec]:
+    """'none;mtp:static:1;dspark:dspark' -> Specs (the drafter is everything before the first ':')."""
+    out = []
+    for item in (s.strip() for s in text.split(";")):
+        if not item:
+            continue
+        if item == "none":
+            out.append(Spec(None, "none"))
+            continue
+        drafter, sep, policy = item.partition(":")
+        if not sep or not policy:
+            raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
+        out.append(Spec(drafter, policy))
+    return out
+
+
+def drafter_config_path(name: str, model_dir: Path) -> Path | None:
+    """Where a drafter's config.json lives: the shipped kind next to the model, or a directory."""
+    from dspark.drafters.base import KINDS
+
+    path = model_dir.parent / "drafters" / name if name in KINDS else Path(name).expanduser()
+    return path / "config.json" if (path / "config.json").is_file() else None
+
+
+def drafter_gamma(name: str, model_dir: Path) -> int | None:
+    """The drafter's own block size, without loading its weights; None when it is missing."""
+    from dspark.drafters.registry import GAMMA
+
+    if name == "ngram":
+        return GAMMA["ngram"]
+    cfg = drafter_config_path(name, model_dir)
+    return None if cfg is None else int(json.loads(cfg.read_text()).get("gamma", 7))
+
+
+def drafter_kind(name: str, model_dir: Path) -> str:
+    if name == "ngram":
+        return "ngram"
+    cfg = drafter_config_path(name, model_dir)
+    return name if cfg is None else str(json.loads(cfg.read_text()).get("kind", name))
+
+
+def engine_config(model_dir: Path, max_num_seqs: int, tokens_per_seq: int, device: str | None = None):
+    """The engine's default KV pool (as `dspark serve` has), grown when max_num_seqs sequences
+    of tokens_per_seq (prompt + max_tokens + gamma + anchor) would not fit, so nothing preempts.
+    (A pool sized to the load alone is too small for the step-profile measurement, which
+    reserves up to budget / (gamma + 1) contexts at once.)"""
+    from dspark.config import EngineConfig, default_device, default_dtype, resolve_dtype
+    from dspark.kv_cache import bytes_per_block
+    from dspark.models.loader import read_config
+
+    device = device or default_device()
+    cfg = EngineConfig(device=device, max_num_seqs=max_num_seqs)
+    per_block = bytes_per_block(read_config(model_dir), cfg.block_size, resolve_dtype(default_dtype(device)))
+    need = -(-tokens_per_seq // cfg.block_size) * max_num_seqs + 1
+    return cfg.replace(num_kv_blocks=max(need, cfg.kv_cache_bytes // per_block))

@@ -1,0 +1,230 @@
+"""Benchmark harness (dspark/bench): each command runs on the tiny random model and writes
+well-formed JSON / markdown / PNG; the statistics it reports are right on hand-made data.
+Tiny settings only (a couple of prompts, 8 tokens); no speed is ever asserted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dspark.bench import frontier, offline, online, peers
+from dspark.bench.summary import conditional_acceptance, macro, mean_curves, speculation
+from dspark.bench.workload import Spec, hostile, interleave, parse_configs, render, select
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def dspark_dir(qwen3_dir, tmp_path_factory) -> Path:
+    """A randomly initialised DSpark drafter saved like a trained one."""
+    from dspark.drafters.base import save_drafter
+    from dspark.drafters.registry import new_config, new_drafter
+    from dspark.models.loader import load_model
+
+    net, tok = load_model(qwen3_dir)
+    torch.manual_seed(0)
+    cfg = new_config("dspark", net.config, tok.token_id("<|mask|>") or 0)
+    out = tmp_path_factory.mktemp("drafters") / "dspark-random"
+    save_drafter(new_drafter(cfg), cfg, out)
+    return out
+
+
+def is_png(path: Path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG
+
+
+def stamped(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    assert {"date", "machine", "command", "model", "settings"} <= set(data)
+    return data
+
+
+# ---- statistics on hand-made data ------------------------------------------------------
+def test_conditional_acceptance_per_position_from_hand_made_stats():
+    stats = [
+        {"accepted_per_position": [3, 1], "verified_per_position": [4, 3]},
+        {"accepted_per_position": [1, 0, 0], "verified_per_position": [2, 1, 0]},
+        {},  # plain decoding: no speculative counters
+    ]
+    assert conditional_acceptance(stats) == [4 / 6, 1 / 4, None]
+    assert mean_curves([[0.5, 0.2], [0.7, None, 0.1]]) == pytest.approx([0.6, 0.2, 0.1])
+
+
+def test_tau_and_budget_leave_the_prefill_round_out():
+    # 1 prefill round + 3 decode rounds emitting 10 tokens; 2 + 1 rounds emitting 3 (plain).
+    stats = [{"completion_tokens": 11, "rounds": 4, "verified_tokens": 15, "accepted_tokens": 7},
+             {"completion_tokens": 4, "rounds": 4, "verified_tokens": 0, "accepted_tokens": 0}]
+    s = speculation(stats)
+    assert s["tau"] == pytest.approx((10 + 3) / (3 + 3))
+    assert s["budget"] == pytest.approx(15 / 6)
+    assert s["acceptance_rate"] == pytest.approx(7 / 15)
+    assert speculation([{"completion_tokens": 5, "rounds": 5}])["tau"] == 1.0  # plain decoding
+    rows = [{"domain": "math", "tau": 2.0}, {"domain": "math", "tau": 3.0}, {"domain": "chat", "tau": 1.5}]
+    assert macro(rows, "tau") == {"math": 2.5, "chat": 1.5}
+
+
+HAND = [  # (config, concurrency, per-user tok/s, aggregate tok/s)
+    ("none", 1, 100.0, 100.0), ("none", 2, 80.0, 160.0), ("none", 4, 50.0, 200.0),
+    ("dspark", 1, 200.0, 200.0), ("dspark", 2, 150.0, 300.0), ("dspark", 4, 90.0, 360.0),
+]
+
+
+def hand_rows() -> list[dict]:
+    return [{"config": c, "concurrency": n, "per_user_tok_s_mean": s, "throughput_tok_s": t} for c, n, s, t in HAND]
+
+
+def test_sla_and_matched_throughput_summary_on_a_hand_made_table():
+    rows = hand_rows()
+    ref = frontier.curve(rows, "none")
+    # SLA 90: none's curve crosses 90 halfway between (100, 100) and (80, 160) -> 130
+    assert frontier.throughput_at_sla(ref, 90.0) == pytest.approx(130.0)
+    assert frontier.throughput_at_sla(frontier.curve(rows, "dspark"), 90.0) == pytest.approx(360.0)
+    assert frontier.throughput_at_sla(ref, 120.0) is None  # none never serves 120 tok/s per user
+    # matched 180 tok/s: none crosses between (160, 80) and (200, 50) -> 65; dspark: best is 200 at C=1
+    assert frontier.speed_at_throughput(ref, 180.0) == pytest.approx(65.0)
+    assert frontier.speed_at_throughput(frontier.curve(rows, "dspark"), 180.0) == pytest.approx(200.0)
+    summary = frontier.summarize(rows, "none", slas=[90.0, 120.0], levels=[180.0])
+    sla90, sla120 = summary["sla"]
+    assert sla90["values"] == pytest.approx({"none": 130.0, "dspark": 360.0})
+    assert sla90["ratio_vs_reference"]["dspark"] == pytest.approx(360.0 / 130.0)
+    assert sla120["values"]["none"] is None and sla120["ratio_vs_reference"]["dspark"] is None
+    assert summary["matched"][0]["ratio_vs_reference"]["dspark"] == pytest.approx(200.0 / 65.0)
+    default = frontier.summarize(rows, "none")  # levels from the reference's own points
+    assert [e["level"] for e in default["sla"]] == [50.0, 80.0, 100.0]
+    assert [e["level"] for e in default["matched"]] == [100.0, 160.0, 200.0]
+    by_c = frontier.ratios_by_concurrency(rows, "none")
+    assert {(r["concurrency"], r["throughput_ratio"]) for r in by_c} == {(1, 2.0), (2, 1.875), (4, 1.8)}
+
+
+def test_configs_and_workloads(qwen3_dir):
+    from dspark.models.tokenizer import TextTokenizer
+
+    assert parse_configs("none; mtp:static:1;dspark:dspark-async") == [
+        Spec(None, "none"), Spec("mtp", "static:1"), Spec("dspark", "dspark-async")]
+    assert Spec("/x/y/my-drafter", "threshold:0.5").label == "my-drafter:threshold:0.5"
+    with pytest.raises(ValueError):
+        parse_configs("dspark")
+    tok = TextTokenizer.from_dir(qwen3_dir)
+    jobs = interleave(render(tok, select(["gsm8k", "humaneval", "mt-bench"], None, 2), 64))
+    assert [j.domain for j in jobs] == ["math", "code", "chat"] * 2
+    assert all(0 < len(j.ids) <= 64 for j in jobs)
+    bad = {tok.token_id("<|im_end|>"), tok.token_id("<|im_start|>")}
+    rnd = hostile(tok, 3, 20)
+    assert len(rnd) == 3 and all(len(j.ids) == 20 and not bad & set(j.ids) for j in rnd)
+
+
+# ---- the commands, end to end on the tiny model ---------------------------------------
+def test_offline_writes_table_curves_and_sweep(qwen3_dir, dspark_dir, tmp_path):
+    s = offline.OfflineSettings(model=str(qwen3_dir), drafters=(str(dspark_dir), "ngram", "eagle3"),
+                                datasets=("gsm8k", "mt-bench"), num_prompts=1, max_tokens=8,
+                                temperatures=(0.0, 1.0), thresholds=(0.0, 0.5), device="cpu")
+    offline.run(s, tmp_path)
+    data = stamped(tmp_path / "offline.json")
+    assert data["skipped_drafters"] == ["eagle3"]  # no shipped checkpoint next to the fixture
+    rows = data["rows"]
+    assert {(r["drafter"], r["dataset"], r["temperature"]) for r in rows} == {
+        (d, ds, t) for d in ("dspark-random", "ngram") for ds in ("gsm8k", "mt-bench") for t in (0.0, 1.0)}
+    for r in rows:
+        assert {"drafter", "kind", "dataset", "domain", "tau", "num_prompts", "temperature",
+                "conditional_acceptance", "policy"} <= set(r)
+        assert r["num_prompts"] == 1 and r["tau"] >= 1.0 and r["policy"] == "static:7"
+        assert len(r["conditional_acceptance"]) <= 7
+        assert all(c is None or 0.0 <= c <= 1.0 for c in r["conditional_acceptance"])
+    sweep = data["threshold_sweep"]
+    assert {r["threshold"] for r in sweep} == {0.0, 0.5} and {r["drafter"] for r in sweep} == {"dspark-random"}
+    md = (tmp_path / "offline.md").read_text()
+    assert "_Command:_" in md and "| dspark-random |" in md and "dspark-random / ngram" in md
+    assert "math" in md and "chat" in md and "Threshold sweep" in md
+    assert is_png(tmp_path / "acceptance.png") and is_png(tmp_path / "threshold-dspark-random.png")
+
+
+def test_offline_reads_a_prompts_file(qwen3_dir, tmp_path):
+    lines = [{"prompt": "Add 2 and 3.", "domain": "math"}, {"turns": ["Say hi.", "Again."]}]
+    (tmp_path / "mine.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    s = offline.OfflineSettings(model=str(qwen3_dir), drafters=("ngram",), prompts_file=str(tmp_path / "mine.jsonl"),
+                                num_prompts=2, max_tokens=8, device="cpu")
+    data = offline.run(s, tmp_path / "out")
+    assert {(r["dataset"], r["domain"], r["num_prompts"]) for r in data["rows"]} == {
+        ("mine:math", "math", 1), ("mine:custom", "custom", 1)}
+    assert data["threshold_sweep"] == [] and "mine:math" in (tmp_path / "out" / "offline.md").read_text()
+
+
+@pytest.mark.parametrize("workload", ["mixed", "hostile"])
+def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
+    configs = f"none;ngram:static:7;{dspark_dir}:dspark;mtp:static:1"
+    s = online.OnlineSettings(model=str(qwen3_dir), configs=configs, concurrency=(1, 2), requests_per_client=1,
+                              workload=workload, datasets=("gsm8k", "mt-bench"), num_prompts=2,
+                              hostile_prompt_tokens=24, max_tokens=8, ignore_eos=True, profile="off", device="cpu")
+    online.run(s, tmp_path)
+    data = stamped(tmp_path / "online.json")
+    assert data["reference"] == "none" and data["skipped_configs"] == ["mtp:static:1"]
+    rows = data["rows"]
+    assert [(r["config"], r["concurrency"]) for r in rows] == [
+        (c, n) for c in ("none", "ngram:static:7", "dspark-random:dspark") for n in (1, 2)]
+    for r in rows:
+        assert r["requests"] == r["concurrency"] and r["completion_tokens"] == 8 * r["concurrency"]
+        for key in ("throughput_tok_s", "per_user_tok_s_mean", "per_user_tok_s_p50", "ttft_mean_s", "ttft_p50_s",
+                    "budget", "peak_rss_mib", "peak_kv_blocks", "peak_drafter_cache_mib"):
+            assert r[key] is not None and r[key] >= 0, key
+        assert r["budget"] <= 7
+    assert all(r["budget"] == 0 and r["peak_drafter_cache_mib"] == 0 for r in rows if r["config"] == "none")
+    assert any(r["peak_drafter_cache_mib"] > 0 for r in rows if r["config"].startswith("dspark-random"))
+    assert {r["config"] for r in data["ratios"]} == {"ngram:static:7", "dspark-random:dspark"}
+    assert data["frontier"]["reference"] == "none" and len(data["frontier"]["sla"]) >= 1
+    md = (tmp_path / "online.md").read_text()
+    assert "Ratios vs `none`" in md and "SLA" in md and "matched" in md and workload in md
+    assert is_png(tmp_path / "frontier.png") and is_png(tmp_path / "budget.png")
+
+
+def test_online_over_http_against_dspark_serve(qwen3_dir, tmp_path):
+    pytest.importorskip("httpx")
+    app_mod = pytest.importorskip("dspark.server.app")
+    from dspark.config import EngineConfig
+    from dspark.engine.factory import build_engine
+    from dspark.server.launch import ServerThread
+
+    engine = build_engine(qwen3_dir, "ngram", "static:7", EngineConfig(device="cpu"))
+    settings = app_mod.ServeSettings(model_name="tiny", drafter="ngram", policy="static:7")
+    with ServerThread(app_mod.create_app(engine, settings)) as srv:
+        s = online.OnlineSettings(model=str(qwen3_dir), url=srv.url, concurrency=(1, 2), requests_per_client=1,
+                                  datasets=("gsm8k",), num_prompts=2, max_tokens=8, ignore_eos=True)
+        data = online.run(s, tmp_path)
+    rows = data["rows"]
+    assert [(r["config"], r["concurrency"]) for r in rows] == [("ngram:static:7", 1), ("ngram:static:7", 2)]
+    assert all(r["completion_tokens"] == 8 * r["concurrency"] and r["ttft_mean_s"] > 0 for r in rows)
+    assert all(r["tau"] >= 1.0 and r["budget"] is not None for r in rows)
+    assert is_png(tmp_path / "frontier.png") and (tmp_path / "online.md").is_file()
+
+
+def test_peers_falls_back_to_ngram_and_reports_ratios(qwen3_dir, tmp_path):
+    s = peers.PeersSettings(model=str(qwen3_dir), datasets=("gsm8k",), num_prompts=1, max_tokens=8, profile="off",
+                            device="cpu")
+    peers.run(s, tmp_path)
+    data = stamped(tmp_path / "peers.json")
+    assert (data["drafter"], data["policy"]) == ("ngram", "dspark") and "ngram:dspark" in data["note"]
+    assert [r["system"] for r in data["rows"]] == [
+        "transformers generate", "transformers prompt lookup (7)", "dspark none", "dspark ngram:dspark"]
+    for r in data["rows"]:
+        assert r["tokens"] == 8 and r["tok_s"] > 0 and r["vs_transformers"] > 0 and 0 <= r["greedy_match_fraction"] <= 1
+    assert "Note:" in (tmp_path / "peers.md").read_text()
+
+
+def test_cli_wires_the_subcommands(qwen3_dir, tmp_path):
+    from dspark.bench.commands import add_parser
+
+    p = argparse.ArgumentParser()
+    add_parser(p)
+    args = p.parse_args(["offline", "--model", str(qwen3_dir), "--drafters", "ngram", "--datasets", "mbpp",
+                         "--num-prompts", "1", "--max-tokens", "4", "--temperature", "0,1", "--device", "cpu",
+                         "--out", str(tmp_path)])
+    assert args.func(args) == 0
+    data = json.loads((tmp_path / "offline.json").read_text())
+    assert data["settings"]["temperatures"] == [0.0, 1.0] and {r["dataset"] for r in data["rows"]} == {"mbpp"}
+    on = p.parse_args(["online", "--quick", "--concurrency", "1,8", "--configs", "none;dspark:dspark",
+                       "--workload", "hostile", "--sla", "50,80"])
+    assert on.concurrency == [1, 8] and on.sla == [50.0, 80.0] and on.workload == "hostile"
+    assert p.parse_args(["peers", "--quick"]).func.__name__ == "run_peers"

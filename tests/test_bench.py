@@ -228,3 +228,23 @@ def test_cli_wires_the_subcommands(qwen3_dir, tmp_path):
                        "--workload", "hostile", "--sla", "50,80"])
     assert on.concurrency == [1, 8] and on.sla == [50.0, 80.0] and on.workload == "hostile"
     assert p.parse_args(["peers", "--quick"]).func.__name__ == "run_peers"
+
+
+def test_closed_loop_keeps_clients_busy_and_cleans_up(qwen3_dir):
+    from dspark.bench.loop import closed_loop
+    from dspark.bench.workload import engine_config
+    from dspark.engine.factory import build_engine
+    from dspark.models.tokenizer import TextTokenizer
+    from dspark.sampling import SamplingParams
+
+    engine = build_engine(qwen3_dir, "ngram", "static:7", engine_config(qwen3_dir, 3, 64, "cpu"))
+    jobs = hostile(TextTokenizer.from_dir(qwen3_dir), 2, 12)
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # noqa: E731
+    res = closed_loop(engine, jobs, 3, params, per_client=2)
+    assert sorted(o["client"] for o in res.outputs) == [0, 0, 1, 1, 2, 2]
+    assert 0 < res.peak_kv_blocks and res.peak_rss_bytes > 0 and res.steps > 0
+    timed = closed_loop(engine, jobs, 2, params, duration_s=0.05)
+    assert len(timed.outputs) >= 2 and all(o["completion_tokens"] == 6 for o in timed.outputs)
+    assert engine.kv.pool.num_used_blocks == 0 and not engine.requests and not engine.has_unfinished()
+    with pytest.raises(ValueError):
+        closed_loop(engine, jobs, 1, params)

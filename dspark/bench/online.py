@@ -205,7 +205,9 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
-          "per-user tok/s = a request's tokens after the first over the time since its first token.\n"]
+          "per-user tok/s = a request's tokens after the first over the time since its first token. "
+          "Peak RSS is the whole process (weights, the preallocated KV pool, Python); the KV blocks and "
+          "the drafter's cache are what the load really occupied.\n"]
     if skipped:
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")
     head = ["config", "C", "tok/s", "per-user mean", "per-user p50", "TTFT mean s", "TTFT p50 s", "budget", "τ",
@@ -225,8 +227,11 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
             worst = min((r for r in ratios if r["config"] == config and r["throughput_ratio"] is not None),
                         key=lambda r: r["throughput_ratio"], default=None)
             if worst is not None:
+                row = next(r for r in rows if r["config"] == config and r["concurrency"] == worst["concurrency"])
+                drafted = row.get("drafted_step_fraction")
                 md.append(f"\n- `{config}`: lowest throughput ratio vs `{ref}` {worst['throughput_ratio']:.3f} "
-                          f"(C = {worst['concurrency']})")
+                          f"(C = {worst['concurrency']})"
+                          + ("" if drafted is None else f"; the drafter ran on {100 * drafted:.0f}% of its steps"))
         md.append("\n")
     for key, title, unit in (("sla", "Aggregate tok/s at per-user speed SLAs", "per-user tok/s ≥"),
                              ("matched", "Per-user tok/s at matched aggregate throughput", "aggregate tok/s ≥")):

@@ -5,16 +5,20 @@ and the target's logits at the block positions); random anchors per sequence, pa
 the losses of `train/losses.py`; AdamW + cosine; a checkpoint every few minutes and exact
 resume after a kill (data order is a function of seed, step and rank); held-out
 per-position teacher-forced acceptance 1 - ||p_d - p_t||_1 / 2 in the progress log.
-Runs under `torchrun --nproc-per-node N` with DDP (gloo on CPU, nccl on CUDA); rank 0
-writes checkpoints.
+Runs under `torchrun --nproc-per-node N` with DDP (gloo with `device = "cpu"`, nccl with
+`device = "cuda"`: one GPU per process, cuda:LOCAL_RANK); rank 0 writes checkpoints, and a
+run resumes from them with any process count. `write_checksums = true` makes every rank write
+`run_dir/rank{r}.sum` (sha256 of its final weights) to check that replicas stayed identical.
 
     dspark train drafter --kind dspark --config configs/drafter-dspark.toml
     torchrun --nproc-per-node 2 -m dspark train drafter --kind dspark --config FILE
+    (docs/scaling.md: several GPUs and nodes)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -61,6 +65,8 @@ class DrafterTrainConfig:
     eval_every: int = 200
     eval_batches: int = 4
     checkpoint_minutes: float = 4.0
+    device: str = "cpu"  # cpu | cuda (each torchrun process takes cuda:LOCAL_RANK)
+    write_checksums: bool = False  # every rank writes run_dir/rank{r}.sum at the end
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> DrafterTrainConfig:
@@ -81,10 +87,16 @@ def rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def train_device(cfg: DrafterTrainConfig) -> torch.device:
+    if cfg.device == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device(cfg.device)
+
+
 def build(cfg: DrafterTrainConfig):
     from dspark.models.loader import load_model
 
-    target, tok = load_model(cfg.model, "cpu", "float32")
+    target, tok = load_model(cfg.model, str(train_device(cfg)), "float32")
     for p in target.parameters():
         p.requires_grad_(False)
     extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head}.items() if v}
@@ -92,7 +104,7 @@ def build(cfg: DrafterTrainConfig):
         extra["rank"] = cfg.rank
     dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
     torch.manual_seed(cfg.seed)
-    drafter = new_drafter(dcfg)
+    drafter = new_drafter(dcfg).to(train_device(cfg))
     drafter._target = [target]  # type: ignore[attr-defined]
     return target, tok, drafter, dcfg
 
@@ -103,7 +115,7 @@ def block_targets(target, batch: BlockBatch, taps_layers) -> tuple[torch.Tensor,
     with torch.no_grad():
         hidden, taps = target.forward_dense(batch.tokens, taps_layers)
         g = batch.labels.shape[-1]
-        pos = (batch.anchors[..., None] + torch.arange(g)).clamp(max=batch.tokens.shape[1] - 1)  # p+k-1
+        pos = (batch.anchors[..., None] + torch.arange(g, device=batch.anchors.device)).clamp(max=batch.tokens.shape[1] - 1)  # p+k-1
         h = hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
         logits = target.logits(h, normed=True).view(*pos.shape, -1)
     return taps, logits
@@ -112,7 +124,10 @@ def block_targets(target, batch: BlockBatch, taps_layers) -> tuple[torch.Tensor,
 def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, rank: int, pad: int) -> BlockBatch:
     rng = np.random.default_rng([cfg.seed, step, rank])
     pick = rng.choice(len(rows), size=cfg.batch_size, replace=len(rows) < cfg.batch_size)
-    return make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad)
+    batch = make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad)
+    dev = train_device(cfg)
+    return dataclasses.replace(batch, tokens=batch.tokens.to(dev), anchors=batch.anchors.to(dev),
+                               labels=batch.labels.to(dev), valid=batch.valid.to(dev))
 
 
 def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: str):
@@ -126,7 +141,7 @@ def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: s
 @torch.no_grad()
 def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: int) -> dict:
     """Held-out per-position teacher-forced acceptance and confidence error."""
-    acc_sum, count, conf_err = torch.zeros(gamma), torch.zeros(gamma), torch.zeros(gamma)
+    acc_sum, count, conf_err = torch.zeros(3, gamma, device=train_device(cfg))
     drafter.eval()
     for i in range(cfg.eval_batches):
         batch = batch_at(rows, cfg, gamma, 10**9 + i, 0, pad)
@@ -154,15 +169,30 @@ def expected_tau(conditional: list[float]) -> float:
     return round(tau, 4)
 
 
-def setup_distributed() -> tuple[int, int]:
+def setup_distributed(device: torch.device) -> tuple[int, int]:
+    """The backend follows where the weights live (nccl only for CUDA tensors), not whether
+    the machine has a GPU: a CPU run on a GPU machine needs gloo."""
     rank, world = rank_world()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world > 1 and not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return rank, world
 
 
+def write_checksum(module: torch.nn.Module, run_dir: str, rank: int) -> None:
+    """run_dir/rank{r}.sum: sha256 of every tensor of the state dict, in name order."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    path = Path(run_dir).expanduser() / f"rank{rank}.sum"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(h.hexdigest() + "\n")
+
+
 def train(cfg: DrafterTrainConfig) -> dict:
-    rank, world = setup_distributed()
+    rank, world = setup_distributed(train_device(cfg))
     target, tok, drafter, dcfg = build(cfg)
     pad = tok.token_id("<|endoftext|>") or 0
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -174,7 +204,8 @@ def train(cfg: DrafterTrainConfig) -> dict:
         step = state["step"]
     model = drafter
     if world > 1:
-        model = torch.nn.parallel.DistributedDataParallel(drafter)
+        dev = train_device(cfg)
+        model = torch.nn.parallel.DistributedDataParallel(drafter, device_ids=[dev.index] if dev.type == "cuda" else None)
     rows, held = read_rows(cfg.data), read_rows(cfg.heldout)
     bar = tqdm(total=cfg.max_steps, initial=step, desc=f"drafter {cfg.kind}", disable=rank != 0)
     last_save, t0, start_step, report = time.time(), time.time(), step, {}
@@ -212,6 +243,10 @@ def train(cfg: DrafterTrainConfig) -> dict:
             checkpoint()
             last_save = time.time()
     bar.close()
+    if cfg.write_checksums:
+        write_checksum(drafter, cfg.run_dir, rank)
     if rank == 0 and cfg.export_dir:
         save_drafter(drafter, dcfg, Path(cfg.export_dir).expanduser())
+    if world > 1:
+        torch.distributed.destroy_process_group()
     return report

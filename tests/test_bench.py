@@ -160,7 +160,8 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
                               workload=workload, datasets=("gsm8k", "mt-bench"), num_prompts=2,
                               hostile_prompt_tokens=24, max_tokens=8, ignore_eos=True, profile="off", device="cpu")
     online.run(s, tmp_path)
-    data = stamped(tmp_path / "online.json")
+    suffix = "" if workload == "mixed" else "-hostile"
+    data = stamped(tmp_path / f"online{suffix}.json")
     assert data["reference"] == "none" and data["skipped_configs"] == ["mtp:static:1"]
     rows = data["rows"]
     assert [(r["config"], r["concurrency"]) for r in rows] == [
@@ -175,9 +176,9 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
     assert any(r["peak_drafter_cache_mib"] > 0 for r in rows if r["config"].startswith("dspark-random"))
     assert {r["config"] for r in data["ratios"]} == {"ngram:static:7", "dspark-random:dspark"}
     assert data["frontier"]["reference"] == "none" and len(data["frontier"]["sla"]) >= 1
-    md = (tmp_path / "online.md").read_text()
+    md = (tmp_path / f"online{suffix}.md").read_text()
     assert "Ratios vs `none`" in md and "SLA" in md and "matched" in md and workload in md
-    assert is_png(tmp_path / "frontier.png") and is_png(tmp_path / "budget.png")
+    assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 
 def test_online_over_http_against_dspark_serve(qwen3_dir, tmp_path):

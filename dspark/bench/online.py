@@ -12,8 +12,9 @@ engine/factory.py, warmed up, then driven by C closed-loop clients (loop.py) at 
 turn. Workloads: `mixed` (math, code and chat prompts interleaved, chat-templated) and
 `hostile` (random token strings: drafts are almost always rejected). With `--url` every URL
 is one configuration (its /v1/models card names drafter and policy) and the load goes over
-HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png, with ratios
-against `none` (or the first configuration) measured in the same run.
+HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
+run: online-hostile.json, ...), with ratios against `none` (or the first configuration)
+measured in the same run.
 """
 
 from __future__ import annotations
@@ -173,13 +174,14 @@ def run(s: OnlineSettings, out: str | Path) -> dict:
     ratios = frontier.ratios_by_concurrency(rows, reference)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if s.workload == "mixed" else f"-{s.workload}"  # a hostile run keeps the mixed one
     if rows:
-        plots.frontier(rows, out / "frontier.png", f"{path.name}, {s.workload} workload")
-        plots.budget(rows, out / "budget.png")
+        plots.frontier(rows, out / f"frontier{suffix}.png", f"{path.name}, {s.workload} workload")
+        plots.budget(rows, out / f"budget{suffix}.png")
     payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "reference": reference,
                "skipped_configs": skipped, "rows": rows, "ratios": ratios, "frontier": summary}
-    md = markdown(rows, ratios, summary, s, path, skipped)
-    report.write(out, "online", payload, md)
+    md = markdown(rows, ratios, summary, s, path, skipped, suffix)
+    report.write(out, f"online{suffix}", payload, md)
     print(md)
     return payload
 
@@ -199,7 +201,7 @@ def _cell(entry: dict, config: str) -> str:
     return "–" if v is None else f"{v:.1f}" + ("" if r is None else f" ({r:.2f}×)")
 
 
-def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list[str]) -> str:
+def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list[str], suffix: str = "") -> str:
     load = f"{s.requests_per_client} requests per client" if s.duration_s is None else f"{s.duration_s} s of sending"
     md = [f"# Online closed-loop serving: model `{path.name}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
@@ -240,5 +242,5 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
             md.append(f"\n## {title} (× `{ref}`; – = the curve never gets there)\n\n")
             md.append(report.table(["config", *(f"{unit} {e['level']:.1f}" for e in entries)],
                                    [[c, *(_cell(e, c) for e in entries)] for c in entries[0]["values"]]))
-    md.append("\n![frontier](frontier.png)\n![budget](budget.png)\n")
+    md.append(f"\n![frontier](frontier{suffix}.png)\n![budget](budget{suffix}.png)\n")
     return "".join(md)

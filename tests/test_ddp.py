@@ -1,5 +1,5 @@
 """Drafter training under torchrun: two CPU processes (gloo) keep identical weights, and a run
-started with two processes resumes with one.
+started with two processes resumes with one, then with two again.
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_ddp.py -m slow
 
@@ -74,7 +74,7 @@ def logged_steps(run: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_ddp_ranks_stay_identical_and_resume_with_fewer_processes(data):
+def test_ddp_ranks_stay_identical_and_resume_with_other_process_counts(data):
     run = data["root"] / "run"
     torchrun(write_config(data, "two.toml", max_steps=3), nproc=2)
     sums = [(run / f"rank{r}.sum").read_text() for r in (0, 1)]
@@ -86,3 +86,7 @@ def test_ddp_ranks_stay_identical_and_resume_with_fewer_processes(data):
     assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == 5
     assert logged_steps(run) == [1, 2, 3, 4, 5]  # continued at step 4: resumed, not restarted
     assert (run / "rank0.sum").read_text() != sums[0]  # and trained on
+
+    torchrun(write_config(data, "two-again.toml", max_steps=7), nproc=2)  # rank 1 gets rank 0's checkpoint
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7]
+    assert (run / "rank0.sum").read_text() == (run / "rank1.sum").read_text()

@@ -180,6 +180,17 @@ def setup_distributed(device: torch.device) -> tuple[int, int]:
     return rank, world
 
 
+def load_state(run_dir: str, rank: int, world: int) -> dict | None:
+    """Rank 0's checkpoint, sent to every rank: nodes need not share run_dir's disk, and no
+    rank can resume at another step than rank 0 (the ranks would then wait on each other)."""
+    state = load_checkpoint(run_dir) if rank == 0 else None
+    if world > 1:
+        box = [state]
+        torch.distributed.broadcast_object_list(box, src=0)
+        state = box[0]
+    return state
+
+
 def write_checksum(module: torch.nn.Module, run_dir: str, rank: int) -> None:
     """run_dir/rank{r}.sum: sha256 of every tensor of the state dict, in name order."""
     h = hashlib.sha256()
@@ -197,7 +208,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
     pad = tok.token_id("<|endoftext|>") or 0
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state, step = load_checkpoint(cfg.run_dir), 0
+    state, step = load_state(cfg.run_dir, rank, world), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])

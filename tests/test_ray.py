@@ -12,6 +12,8 @@ The fast tests cover argument handling and the metrics merge without starting Ra
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import warnings
 from collections import Counter
@@ -56,6 +58,13 @@ def test_deployment_options():
     assert deployment_options(serve_args("m", 1, "--device", "cuda"))["ray_actor_options"]["num_gpus"] == 1.0
     with pytest.raises(SystemExit):
         serve_args("m", 1, "--autoscale", "4,1")
+
+
+def test_local_backend_never_imports_ray():
+    code = ("import sys; from dspark.cli import build_parser; import dspark.server.launch, dspark.server.app; "
+            "build_parser().parse_args(['serve']); print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_merge_metrics_labels_each_replica():

@@ -7,5 +7,6 @@ print(c.completions.create(model='NAME', prompt='def add(a, b):', max_tokens=16)
 Files: protocol.py (request bodies -> SamplingParams, errors), responses.py (response and
 stream-chunk bodies), async_engine.py (the engine thread and per-request queues),
 metrics.py (Prometheus), app.py (FastAPI routes), launch.py (build_engine, uvicorn),
-commands.py (the CLI arguments). Importing this package imports nothing heavy.
+commands.py (the CLI arguments), ray_backend.py (`--backend ray`: Ray Serve replicas) and
+metrics_merge.py (their merged /metrics). Importing this package imports nothing heavy.
 """

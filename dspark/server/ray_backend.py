@@ -48,7 +48,8 @@ def set_replica(replica: DsparkReplica) -> None:
     _replica = replica
 
 
-@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0})
+@serve.deployment(num_replicas=1, max_ongoing_requests=1000, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # a push every second: no log line each
 class MetricsHub:
     """The latest Prometheus text of every replica; merges them on request."""
 

@@ -122,8 +122,12 @@ class DsparkReplica:
         return self.fastapi.state.metrics.render().decode()
 
     async def merged_metrics(self) -> bytes:
-        await self.hub.push.remote(self.replica_id, self.metrics_text())  # this replica's, fresh
-        return await self.hub.merged.remote()
+        try:
+            await self.hub.push.remote(self.replica_id, self.metrics_text())  # this replica's, fresh
+            return await self.hub.merged.remote()
+        except Exception as exc:  # no hub (restarting): at least this replica's own metrics
+            log.warning("metrics hub unavailable: %r", exc)
+            return merge_metrics({self.replica_id: self.metrics_text()})
 
     def start_pushing(self) -> None:
         if self._pusher is None:

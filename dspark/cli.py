@@ -58,6 +58,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     return commands.run(args)
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from dspark.bench.prompts import read_prompts
+    from dspark.spec.rollouts import calibrate
+    from dspark.train.regen import chat_prompts
+
+    if args.prompts:
+        texts = [p.text for p in read_prompts(args.prompts)][: args.num_prompts]
+    else:
+        per = max(1, args.num_prompts // 3)
+        texts = [t for _, t in chat_prompts(args.corpus, "heldout", per)]
+    calibrate(args.model, args.drafter, texts, args.out, args.max_tokens, args.temperature, write=not args.no_write)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from dspark.engine.factory import build_engine
+
+    engine = build_engine(args.model, args.drafter, args.policy or "dspark", engine_config(args),
+                          profile="refresh" if args.refresh else "auto")
+    prof = engine.runner.profile  # type: ignore[union-attr]
+    print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
+    for b, t in zip(prof.tokens, prof.verify_s, strict=True):
+        print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")
+    for r, t in zip(prof.requests, prof.draft_s, strict=True):
+        print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms")
+    if args.plot:
+        from dspark.spec.profile import plot
+
+        plot(prof, args.plot)
+        print(f"plot -> {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dspark", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,6 +114,25 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     add_spec_args(s)
     add_serve(s)
+
+    c = sub.add_parser("calibrate", help="fit STS temperatures of a drafter's confidence head")
+    c.add_argument("--drafter", required=True, help="drafter directory (its config.json gets the temperatures)")
+    c.add_argument("--model", default=None)
+    c.add_argument("--prompts", default=None, help="JSONL prompts (default: held-out corpus prompts)")
+    c.add_argument("--corpus", default="~/.cache/dspark/corpus")
+    c.add_argument("--num-prompts", type=int, default=150)
+    c.add_argument("--max-tokens", type=int, default=128)
+    c.add_argument("--temperature", type=float, default=1.0)
+    c.add_argument("--out", default="docs/results/calibration")
+    c.add_argument("--no-write", action="store_true", help="report only; leave config.json unchanged")
+    c.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("profile", help="measure/print the step-cost profile (SPS and draft time)")
+    add_engine_args(p)
+    add_spec_args(p)
+    p.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    p.add_argument("--plot", default=None, help="write a PNG of the profile")
+    p.set_defaults(func=cmd_profile)
 
     from dspark.train.commands import add_parser as add_train
 

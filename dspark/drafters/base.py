@@ -80,6 +80,7 @@ class DraftBlock:
     probs: torch.Tensor  # [R, gamma, V] float32, the distribution each x_k was sampled from
     confidence: torch.Tensor | None = None  # [R, gamma] in (0, 1): P(x_k accepted | prefix accepted)
     num_valid: list[int] | None = None  # per request, how many positions are real proposals
+    confidence_logits: torch.Tensor | None = None  # [R, gamma] raw head logits (before STS)
 
 
 @dataclass(frozen=True)

@@ -81,8 +81,9 @@ class DSparkDrafter(NeuralDrafter):
             prev = sample(p, generators)
             tokens.append(prev)
             probs.append(p)
-        confidence = apply_sts(torch.stack(conf, 1), self.config.sts_temperatures) if conf else None
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence)
+        raw = torch.stack(conf, 1) if conf else None
+        confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence, confidence_logits=raw)
 
     # ---- training -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -23,10 +23,17 @@ def lookup(tokens: Sequence[int], gamma: int, n_max: int, n_min: int) -> list[in
         suffix = list(tokens[size - n :])
         for start in range(size - n - 1, -1, -1):
             if list(tokens[start : start + n]) == suffix:
-                follow = list(tokens[start + n : start + n + gamma])
-                if follow:
-                    return follow
+                return continuation(list(tokens), start + n, gamma)
     return []
+
+
+def continuation(tokens: list[int], begin: int, gamma: int) -> list[int]:
+    """gamma tokens copied from `begin` on; a copy that reaches the end continues with the
+    tokens it has just produced, so a loop of period p yields a full block, not p tokens."""
+    ext = list(tokens)
+    for i in range(gamma):
+        ext.append(ext[begin + i])
+    return ext[len(tokens) :]
 
 
 class NgramDrafter(Drafter):

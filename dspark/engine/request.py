@@ -46,8 +46,9 @@ class RequestStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens emitted per round, bonus/recovered included (1.0 for plain decoding)."""
-        return self.completion_tokens / self.rounds if self.rounds else 0.0
+        """Mean tokens emitted per decode round, bonus/recovered included (1.0 for plain
+        decoding). The first token comes from the prefill pass, so it is not a round."""
+        return (self.completion_tokens - 1) / (self.rounds - 1) if self.rounds > 1 else 1.0
 
     @property
     def ttft(self) -> float | None:

@@ -27,17 +27,19 @@ def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepP
     runner = engine.runner
     base, drafter = runner.base, runner.drafter
     gamma, pool = drafter.gamma, engine.kv.pool
-    budget = engine.cfg.max_num_batched_tokens
-    max_r = min(engine.cfg.max_num_seqs, budget)
-    ctx = max(1, min(context_len, pool.num_blocks * pool.block_size // max(1, max_r) - gamma - 2, engine.max_model_len - gamma - 2))
+    free, bs = pool.num_free_blocks, pool.block_size
+    budget = min(engine.cfg.max_num_batched_tokens, free * bs // 2)
+    max_r = min(engine.cfg.max_num_seqs, budget, max(1, free // 2))
+    ctx = max(1, min(context_len, engine.max_model_len - gamma - 2))
     taps = drafter.taps
 
     def verify_time(b: int) -> float:
-        r = math.ceil(b / (gamma + 1))
+        r = min(math.ceil(b / (gamma + 1)), max(1, free // 2))  # requests that fit in the free pool
         sizes = [b // r + (1 if i < b % r else 0) for i in range(r)]
+        c = max(1, min(ctx, (free // r) * bs - max(sizes)))  # context that still fits
         ids = [f"__profile{i}" for i in range(r)]
-        _reserve(pool, ids, ctx + gamma + 1)
-        rows = [BatchRow(sid, [1] * n, ctx + n, n) for sid, n in zip(ids, sizes, strict=True)]
+        _reserve(pool, ids, c + max(sizes))
+        rows = [BatchRow(sid, [1] * n, c + n, n) for sid, n in zip(ids, sizes, strict=True)]
         try:
             return timed(lambda: base.target_forward(rows, taps), repeats, base.device)
         finally:
@@ -47,9 +49,10 @@ def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepP
     def draft_time(r: int) -> float:
         ids = [f"__profile{i}" for i in range(r)]
         dpool = getattr(drafter, "pool", None)
+        c = ctx if dpool is None else max(1, min(ctx, (dpool.num_free_blocks // r) * dpool.block_size - gamma))
         if dpool is not None:
-            _reserve(dpool, ids, ctx)
-        inputs = [ProposeInput(sid, 1, ctx, [1] * ctx) for sid in ids]
+            _reserve(dpool, ids, c)
+        inputs = [ProposeInput(sid, 1, c, [1] * c) for sid in ids]
         t = torch.ones(r, device=base.device)
         zeros = torch.zeros(r, dtype=torch.long, device=base.device)
         try:

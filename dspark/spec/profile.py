@@ -127,3 +127,24 @@ def save_cached(profile: StepProfile) -> Path:
     path = CACHE_DIR / f"{profile.key}.json"
     path.write_text(profile.to_json())
     return path
+
+
+def plot(profile: StepProfile, path: str) -> None:
+    """Target steps/s against forward tokens, and draft time against requests."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(profile.tokens, [1 / t for t in profile.verify_s], marker="o")
+    a.set_xlabel("tokens in the target forward (B)")
+    a.set_ylabel("SPS(B), steps/s")
+    a.set_xscale("log")
+    b.plot(profile.requests, [t * 1000 for t in profile.draft_s], marker="o", color="C1")
+    b.set_xlabel("requests drafted (R)")
+    b.set_ylabel("draft ms")
+    b.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

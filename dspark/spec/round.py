@@ -77,6 +77,8 @@ class SpecRunner:
         self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, profile) if use_gate else None
         self.device = base.device
         self.steps = self.drafted_steps = 0
+        self.pending = PendingContext()
+        self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
 
     def set_profile(self, profile: StepProfile) -> None:
         self.profile = profile
@@ -84,6 +86,7 @@ class SpecRunner:
             self.gate.profile = profile
 
     def release(self, seq_id: str) -> None:
+        self.pending.drop(seq_id)
         self.drafter.free(seq_id)
 
     @torch.inference_mode()
@@ -91,27 +94,34 @@ class SpecRunner:
         result, t0 = StepResult(), time.perf_counter()
         for s in scheduled:
             if s.request.num_computed == 0:
-                self.drafter.free(s.request.request_id)  # fresh or recomputed after preemption
+                self.release(s.request.request_id)  # fresh, or recomputed after preemption
         decode = [s for s in scheduled if self._decodes(s)]
-        others = [s for s in scheduled if not self._decodes(s)]
-        other_tokens = sum(s.num_new_tokens for s in others)
         caps = [s.num_lookahead for s in decode]
-        block, lengths = None, [0] * len(decode)
+        other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
         if drafting and self.gate is not None:
             drafting = self.gate.should_draft(len(decode), other_tokens, caps)
-        if drafting:
+        if not drafting:
+            decode = []  # every request takes the plain path; the drafter is not called
+        plain = [s for s in scheduled if not any(s is d for d in decode)]
+        block, lengths = None, [0] * len(decode)
+        if decode:
+            self.drafter.extend(self.pending.take([s.request.request_id for s in decode]))
             block = self._propose(decode)
             result.times["draft"] = time.perf_counter() - t0
-            lengths = self._choose(block, decode, caps, other_tokens)
+            lengths = self._choose(block, caps, other_tokens)
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - result.times.get("draft", 0.0)
-        rows = [self._plain_row(s) for s in others] + [self._verify_row(s, block, i, lengths[i]) for i, s in enumerate(decode)]
+        rows = [self._plain_row(s) for s in plain] + [self._verify_row(s, block, i, ell) for i, (s, ell) in
+                                                      enumerate(zip(decode, lengths, strict=True))]
         batch, out = self.base.target_forward(rows, self.drafter.taps)
         t2 = time.perf_counter()
         result.times["verify"] = t2 - t1
         result.num_forward_tokens = batch.num_tokens
-        self._accept(result, others, decode, block, lengths, batch, out)
+        self._sample_plain(result, plain, batch, out)
+        if decode:
+            self._verify(result, decode, block, lengths, batch, out, len(plain))
+        self._commit_context(result, [*plain, *decode], batch, out)
         result.times["accept"] = time.perf_counter() - t2
         self._observe(len(decode), batch.num_tokens, result, drafting)
         return result
@@ -126,15 +136,15 @@ class SpecRunner:
         inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids[:-1], r.generator) for r in reqs]
         return self.drafter.propose(inputs, *sampling_tensors(reqs, [1] * len(reqs), self.device))
 
-    def _choose(self, block: DraftBlock, decode, caps: list[int], other_tokens: int) -> list[int]:
+    def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int) -> list[int]:
         if block.num_valid is not None:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
         if conf is None:
-            conf = torch.tensor([self.stats.conditional()] * len(decode))
-        cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0 + 0.0 * b)
+            conf = torch.tensor([self.stats.conditional()] * len(caps))
+        cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0)
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
-        if self.gate is not None and self.gate.probing:
+        if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
         return [min(ell, c) for ell, c in zip(lengths, caps, strict=True)]
 
@@ -150,41 +160,34 @@ class SpecRunner:
         drafts = block.tokens[i, :ell].tolist() if block is not None and ell else []
         return BatchRow(req.request_id, [req.all_ids[-1], *drafts], req.num_computed + 1 + ell, 1 + ell)
 
-    def _accept(self, result: StepResult, others, decode, block, lengths, batch, out) -> None:
-        n_other = len(others)
-        sampling = [(i, s.request) for i, s in enumerate(others) if s.samples]
-        if sampling:
-            reqs = [r for _, r in sampling]
-            rows = torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)
-            logits = out.logits[rows]
-            tokens = sample(probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device)),
-                            [r.generator for r in reqs])
-            for j, r in enumerate(reqs):
-                result.tokens[r.request_id] = [int(tokens[j])]
-                self._logprobs(result, r, logits[j : j + 1], tokens[j : j + 1])
-        for s in others:
+    def _sample_plain(self, result: StepResult, plain, batch, out) -> None:
+        """Prefill chunks and undrafted decodes: one token where due, as plain decoding."""
+        for s in plain:
             result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
-        if decode:
-            self._verify(result, decode, block, lengths, batch, out, n_other)
-        self._extend(result, others, decode, batch, out)
+        sampling = [(i, s.request) for i, s in enumerate(plain) if s.samples]
+        if not sampling:
+            return
+        reqs = [r for _, r in sampling]
+        logits = out.logits[torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)]
+        probs = probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device))
+        tokens = sample(probs, [r.generator for r in reqs])
+        for j, r in enumerate(reqs):
+            result.tokens[r.request_id] = [int(tokens[j])]
+            self._logprobs(result, r, logits[j : j + 1], tokens[j : j + 1])
 
-    def _verify(self, result, decode, block, lengths, batch, out, n_other: int) -> None:
+    def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int) -> None:
         reqs = [s.request for s in decode]
         g, vocab = self.gamma, out.logits.shape[-1]
-        starts = [batch.cu_logits[n_other + i] for i in range(len(decode))]
+        starts = [batch.cu_logits[n_plain + i] for i in range(len(decode))]
         logits = torch.cat([out.logits[st : st + 1 + ell] for st, ell in zip(starts, lengths, strict=True)])
         tprobs = probabilities(logits, *sampling_tensors(reqs, [1 + ell for ell in lengths], self.device))
         padded = torch.zeros(len(decode), g + 1, vocab, device=self.device)
-        offset = 0
+        offsets = [0]
         for i, ell in enumerate(lengths):
-            padded[i, : 1 + ell] = tprobs[offset : offset + 1 + ell]
-            offset += 1 + ell
-        if block is None:
-            block = DraftBlock(torch.zeros(len(decode), g, dtype=torch.long, device=self.device),
-                               torch.ones(len(decode), g, vocab, device=self.device))
+            padded[i, : 1 + ell] = tprobs[offsets[-1] : offsets[-1] + 1 + ell]
+            offsets.append(offsets[-1] + 1 + ell)
         verdict = verify(block.tokens, block.probs, padded, torch.tensor(lengths, device=self.device),
                          [r.generator for r in reqs])
-        offset = 0
         for i, (r, ell) in enumerate(zip(reqs, lengths, strict=True)):
             n = verdict.num_accepted[i]
             result.tokens[r.request_id] = verdict.tokens[i]
@@ -192,27 +195,25 @@ class SpecRunner:
             result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
             result.verified[r.request_id], result.accepted[r.request_id] = ell, n
             emitted = torch.tensor(verdict.tokens[i], device=self.device)
-            self._logprobs(result, r, logits[offset : offset + n + 1], emitted)
-            offset += 1 + ell
+            self._logprobs(result, r, logits[offsets[i] : offsets[i] + n + 1], emitted)
         if any(lengths):
             self.stats.update(lengths, verdict.num_accepted)
+        if self.recorder is not None and block.confidence_logits is not None:
+            self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))
 
     def _logprobs(self, result: StepResult, req, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         if req.params.logprobs is not None:
             result.logprobs[req.request_id] = token_logprobs(logits, tokens, req.params.logprobs)
 
-    def _extend(self, result: StepResult, others, decode, batch, out) -> None:
-        """Hand the drafter the features of every token committed to the target cache."""
-        rows = []
-        for i, s in enumerate([*others, *decode]):
+    def _commit_context(self, result: StepResult, ordered, batch, out) -> None:
+        """Queue the tapped features of every token now committed to the target cache; the
+        drafter receives them right before it next drafts for that request."""
+        for i, s in enumerate(ordered):
             req = s.request
             keep = result.num_computed[req.request_id] - req.num_computed
             start = int(batch.cu_seqlens[i])
             feats = out.taps[start : start + keep] if out.taps is not None else None
-            tokens = req.all_ids[req.num_computed : req.num_computed + keep] if i < len(others) else \
-                batch.rows[i].tokens[:keep]
-            rows.append(ContextRow(req.request_id, req.num_computed, list(tokens), feats))
-        self.drafter.extend(rows)
+            self.pending.add(ContextRow(req.request_id, req.num_computed, list(batch.rows[i].tokens[:keep]), feats))
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool) -> None:
         self.steps += 1
@@ -222,3 +223,28 @@ class SpecRunner:
         self.profile.observe_verify(num_tokens, result.times["verify"])
         if drafted:
             self.profile.observe_draft(num_decode, result.times["draft"])
+
+
+class PendingContext:
+    """Committed tokens whose features the drafter has not received yet. Handing them over
+    lazily keeps undrafted steps (gate closed, hostile prompts) free of drafter work."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[ContextRow]] = {}
+
+    def add(self, row: ContextRow) -> None:
+        if row.token_ids:
+            self.rows.setdefault(row.seq_id, []).append(row)
+
+    def drop(self, seq_id: str) -> None:
+        self.rows.pop(seq_id, None)
+
+    def take(self, seq_ids: Sequence[str]) -> list[ContextRow]:
+        """One merged row per request (features concatenated), removed from the queue."""
+        out = []
+        for sid in seq_ids:
+            parts = self.rows.pop(sid, [])
+            if parts:
+                feats = None if parts[0].features is None else torch.cat([p.features for p in parts])
+                out.append(ContextRow(sid, parts[0].start, [t for p in parts for t in p.token_ids], feats))
+        return out

@@ -39,6 +39,20 @@ def append_log(run_dir: str | Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row) + "\n")
 
 
+def config_from_toml(cls: type, path: str | Path, **overrides: Any) -> Any:
+    """A frozen config dataclass from a TOML file (unknown keys refused, lists -> tuples);
+    overrides that are not None win over the file."""
+    import dataclasses
+    import tomllib
+
+    raw = tomllib.loads(Path(path).read_text())
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown keys in {path}: {sorted(unknown)}")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()})
+
+
 def cosine_lr(step: int, base_lr: float, warmup: int, total: int, floor: float = 0.1) -> float:
     """Linear warm-up to base_lr, then cosine decay to floor * base_lr at `total`."""
     import math

@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from tqdm import tqdm
 from dspark.drafters.base import save_drafter
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.train.anchors import BlockBatch, make_batch
-from dspark.train.checkpoint import append_log, cosine_lr, load_checkpoint, save_checkpoint
+from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.losses import LossWeights, acceptance, drafter_loss
 
 
@@ -70,12 +69,7 @@ class DrafterTrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> DrafterTrainConfig:
-        raw = tomllib.loads(Path(path).read_text())
-        raw.update({k: v for k, v in overrides.items() if v is not None})
-        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown keys in {path}: {sorted(unknown)}")
-        return cls(**raw)
+        return config_from_toml(cls, path, **overrides)
 
 
 def read_rows(path: str) -> list[dict]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from tqdm import tqdm
 from dspark.config import ModelConfig
 from dspark.models.loader import save_model
 from dspark.models.qwen3 import CausalLM
-from dspark.train.checkpoint import append_log, cosine_lr, load_checkpoint, save_checkpoint
+from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.corpus import DOMAINS
 from dspark.train.tokens import WindowSampler, heldout_windows, load_streams
 
@@ -59,14 +58,7 @@ class TargetTrainConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> TargetTrainConfig:
-        raw = tomllib.loads(Path(path).read_text())
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"unknown keys in {path}: {sorted(unknown)}")
-        if "domain_weights" in raw:
-            raw["domain_weights"] = tuple(raw["domain_weights"])
-        return cls(**raw)
+        return config_from_toml(cls, path)
 
     def model_config(self, vocab_size: int, eos: tuple[int, ...], bos: int | None) -> ModelConfig:
         return ModelConfig(

@@ -1,0 +1,40 @@
+"""The shipped dspark-tiny target loads with our loader and with transformers' Auto classes,
+and both give the same logits and the same chat rendering on a few prompts."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.models.loader import BUILTIN_MODELS, load_model
+
+PATH = BUILTIN_MODELS["dspark-tiny"]
+PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "Complete the following Python function:",
+           "Explain the with statement."]
+
+
+def test_shipped_target_matches_transformers():
+    import transformers
+
+    net, tok = load_model("dspark-tiny")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(PATH)
+    for prompt in PROMPTS:
+        messages = [{"role": "user", "content": prompt}]
+        ours_text = tok.apply_chat_template(messages)
+        assert ours_text == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(ours_text)
+        assert ids == hf_tok(ours_text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            hidden, _ = net.forward_dense(torch.tensor([ids]))
+            ours = net.logits(hidden, normed=True)[0]
+            theirs = hf(torch.tensor([ids])).logits[0]
+        assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_shipped_target_is_the_default_and_in_spec():
+    net, tok = load_model(None)
+    cfg = net.config
+    assert cfg.model_type == "qwen3" and cfg.num_hidden_layers >= 6 and cfg.max_position_embeddings >= 1024
+    assert 5e6 <= sum(p.numel() for p in net.parameters()) <= 15e6
+    assert cfg.vocab_size == 8192 and tok.token_id("<|mask|>") is not None
+    assert tok.token_id("<|im_end|>") in tok.eos_token_ids

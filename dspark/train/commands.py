@@ -19,6 +19,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     c.add_argument("--gsm8k", default=None)
     c.add_argument("--docs", default=None)
     c.add_argument("--stdlib", default="")
+    c.add_argument("--max-response-chars", type=int, default=2400, help="clip chat answers (paragraph boundary)")
+    c.add_argument("--max-function-lines", type=int, default=60, help="leave out longer functions as code tasks")
     c.add_argument("--out", default="~/.cache/dspark/corpus")
     c.set_defaults(func=run_corpus)
     t = sub.add_parser("tokenizer", help="train the byte-level BPE and tokenise the corpus")
@@ -26,6 +28,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     t.add_argument("--out", default="~/.cache/dspark/tokenizer")
     t.add_argument("--tokens", default="~/.cache/dspark/tokens")
     t.add_argument("--vocab-size", type=int, default=8192)
+    t.add_argument("--existing", action="store_true", help="keep the tokenizer in --out; only tokenise the corpus")
     t.set_defaults(func=run_tokenizer)
     m = sub.add_parser("target", help="train the target (resumes from its run directory)")
     m.add_argument("--config", required=True)
@@ -62,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
 def run_corpus(args: argparse.Namespace) -> int:
     from dspark.train.corpus import CorpusConfig, build
 
-    cfg = CorpusConfig(**{k: v for k, v in {"gsm8k": args.gsm8k, "docs": args.docs}.items() if v}, stdlib=args.stdlib)
+    cfg = CorpusConfig(**{k: v for k, v in {"gsm8k": args.gsm8k, "docs": args.docs}.items() if v}, stdlib=args.stdlib,
+                       max_response_chars=args.max_response_chars, max_function_lines=args.max_function_lines)
     print(json.dumps(build(cfg, args.out), indent=2))
     return 0
 
@@ -70,14 +74,18 @@ def run_corpus(args: argparse.Namespace) -> int:
 def run_tokenizer(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from tokenizers import Tokenizer
+
     from dspark.train.corpus import DOMAINS, read_records, render
     from dspark.train.tokenizer import save_hf_tokenizer, train_bpe
     from dspark.train.tokens import encode_corpus
 
-    corpus = Path(args.corpus).expanduser()
-    texts = [render(r) for d in DOMAINS for r in read_records(corpus / f"{d}.train.jsonl")]
-    tok = train_bpe(texts, args.vocab_size)
-    save_hf_tokenizer(tok, Path(args.out).expanduser())
+    corpus, out = Path(args.corpus).expanduser(), Path(args.out).expanduser()
+    if args.existing:
+        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    else:
+        tok = train_bpe([render(r) for d in DOMAINS for r in read_records(corpus / f"{d}.train.jsonl")], args.vocab_size)
+        save_hf_tokenizer(tok, out)
     print(json.dumps({"tokens": encode_corpus(corpus, tok, args.tokens)}, indent=2))
     return 0
 

@@ -40,7 +40,8 @@ class CorpusConfig:
     stdlib: str = ""  # default: this interpreter's standard library
     heldout_fraction: float = 0.03
     seed: int = 0
-    max_response_chars: int = 2400
+    max_response_chars: int = 2400  # chat answers are clipped at a paragraph boundary
+    max_function_lines: int = 60  # code tasks: longer functions are left out
 
 
 def chat_text(prompt: str, response: str | None = None) -> str:
@@ -76,7 +77,7 @@ def stdlib_files(root: str) -> list[Path]:
     return sorted(files)
 
 
-def function_tasks(source: str) -> Iterator[tuple[str, str]]:
+def function_tasks(source: str, max_lines: int = 60) -> Iterator[tuple[str, str]]:
     """(prompt, response) for every documented function of reasonable size in a module."""
     try:
         tree = ast.parse(source)
@@ -87,7 +88,7 @@ def function_tasks(source: str) -> Iterator[tuple[str, str]]:
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         doc = ast.get_docstring(node, clean=False)
-        if not doc or node.end_lineno is None or node.end_lineno - node.lineno > 60:
+        if not doc or node.end_lineno is None or node.end_lineno - node.lineno > max_lines:
             continue
         body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
         first = node.body[0]
@@ -109,7 +110,7 @@ def code_records(cfg: CorpusConfig) -> Iterator[dict]:
             continue
         key = path.name + str(len(source))
         yield {"domain": "code", "key": key, "text": source}
-        for prompt, response in function_tasks(source):
+        for prompt, response in function_tasks(source, cfg.max_function_lines):
             yield {"domain": "code", "key": key, "prompt": prompt, "response": response}
 
 

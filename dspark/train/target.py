@@ -32,6 +32,7 @@ class TargetTrainConfig:
     tokenizer_dir: str = "~/.cache/dspark/tokenizer"
     run_dir: str = "~/.cache/dspark/runs/target"
     export_dir: str = ""  # where the finished model is written (HF format)
+    init_from: str = ""  # start from a model directory or a run's checkpoint.pt (a further stage), fresh optimizer
     hidden_size: int = 256
     intermediate_size: int = 768
     num_hidden_layers: int = 6
@@ -110,6 +111,8 @@ def train(cfg: TargetTrainConfig) -> CausalLM:
     net, opt, tok = build(cfg)
     state = load_checkpoint(cfg.run_dir)
     step = 0
+    if state is None and cfg.init_from:
+        net.load_state_dict(initial_weights(cfg.init_from))
     if state is not None:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -151,6 +154,16 @@ def train(cfg: TargetTrainConfig) -> CausalLM:
     if cfg.export_dir:
         export(net, tok, cfg)
     return net
+
+
+def initial_weights(source: str) -> dict[str, torch.Tensor]:
+    """Weights to start a further training stage from: a checkpoint.pt or a model directory."""
+    path = Path(source).expanduser()
+    if path.suffix == ".pt":
+        return torch.load(path, map_location="cpu", weights_only=False)["model"]
+    from dspark.models.loader import load_target
+
+    return load_target(path, "cpu", "float32").state_dict()
 
 
 def export(net: CausalLM, tok, cfg: TargetTrainConfig) -> None:

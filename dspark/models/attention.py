@@ -94,13 +94,17 @@ def paged_attention(
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     heads, kv_heads = q.shape[1], k.shape[1]
+    rep = heads // kv_heads
     qp = q[meta.query_index].transpose(1, 2)  # [R, H, Q, D]
     kp = k_cache[meta.kv_slots].transpose(1, 2)  # [R, Hkv, K, D]
     vp = v_cache[meta.kv_slots].transpose(1, 2)
-    if heads != kv_heads:
-        kp = kp.repeat_interleave(heads // kv_heads, dim=1)
-        vp = vp.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.mask)  # [R, H, Q, D]
+    r, _, nq, d = qp.shape
+    mask = meta.mask
+    if rep > 1:  # GQA without copying K/V: fold each KV head's query group into the query axis
+        qp = qp.reshape(r, kv_heads, rep * nq, d)
+        mask = mask.repeat(1, 1, rep, 1)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)  # [R, Hkv, rep*Q, D]
+    out = out.reshape(r, heads, nq, d)
     return out.transpose(1, 2)[meta.query_valid]  # [N, H, D]
 
 

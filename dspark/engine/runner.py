@@ -72,29 +72,38 @@ class ModelRunner:
     def release(self, seq_id: str) -> None:
         """A request finished or was preempted; plain decoding keeps no extra state."""
 
+    @staticmethod
+    def plain_row(s: ScheduledRequest) -> BatchRow:
+        """A request's known tokens for this step (a prefill chunk, or the anchor)."""
+        req, start = s.request, s.request.num_computed
+        return BatchRow(req.request_id, req.all_ids[start : start + s.num_new_tokens],
+                        start + s.num_new_tokens, 1 if s.samples else 0)
+
+    def sample_plain(self, result: StepResult, plain: Sequence[ScheduledRequest], batch: Batch,
+                     out: ForwardOutput) -> None:
+        """Rows built by `plain_row` (first in the batch): commit their tokens and sample
+        one token for every request whose known tokens are now all cached."""
+        for s in plain:
+            result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
+        sampling = [(i, s.request) for i, s in enumerate(plain) if s.samples]
+        if not sampling:
+            return
+        reqs = [r for _, r in sampling]
+        logits = out.logits[torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)]
+        probs = probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device))
+        tokens = sample(probs, [r.generator for r in reqs])
+        for j, r in enumerate(reqs):
+            result.tokens[r.request_id] = [int(tokens[j])]
+            if r.params.logprobs is not None:
+                result.logprobs[r.request_id] = token_logprobs(logits[j : j + 1], tokens[j : j + 1], r.params.logprobs)
+
     @torch.inference_mode()
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
         """Plain decoding: feed each request's new tokens, sample one token where due."""
-        rows = []
-        for s in scheduled:
-            req = s.request
-            start = req.num_computed
-            rows.append(BatchRow(req.request_id, req.all_ids[start : start + s.num_new_tokens],
-                                 start + s.num_new_tokens, 1 if s.samples else 0))
         result = StepResult()
-        if not rows:
+        if not scheduled:
             return result
-        batch, out = self.target_forward(rows)
+        batch, out = self.target_forward([self.plain_row(s) for s in scheduled])
         result.num_forward_tokens = batch.num_tokens
-        sampling = [s.request for s in scheduled if s.samples]
-        for s in scheduled:
-            result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
-        if not sampling:
-            return result
-        probs = probabilities(out.logits, *sampling_tensors(sampling, [1] * len(sampling), self.device))
-        tokens = sample(probs, [r.generator for r in sampling])
-        for i, req in enumerate(sampling):
-            result.tokens[req.request_id] = [int(tokens[i])]
-            if req.params.logprobs is not None:
-                result.logprobs[req.request_id] = token_logprobs(out.logits[i : i + 1], tokens[i : i + 1], req.params.logprobs)
+        self.sample_plain(result, scheduled, batch, out)
         return result

@@ -24,7 +24,7 @@ from dspark.drafters.base import ContextRow, DraftBlock, Drafter, ProposeInput
 from dspark.engine.batch import BatchRow
 from dspark.engine.runner import ModelRunner, StepResult, sampling_tensors, token_logprobs
 from dspark.engine.scheduler import ScheduledRequest
-from dspark.sampling import probabilities, sample
+from dspark.sampling import probabilities
 from dspark.spec.profile import StepProfile
 from dspark.spec.schedule import NoSpeculation, Policy, algorithm1, candidates
 from dspark.spec.stats import AcceptanceStats
@@ -112,13 +112,13 @@ class SpecRunner:
             lengths = self._choose(block, caps, other_tokens)
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - result.times.get("draft", 0.0)
-        rows = [self._plain_row(s) for s in plain] + [self._verify_row(s, block, i, ell) for i, (s, ell) in
+        rows = [self.base.plain_row(s) for s in plain] + [self._verify_row(s, block, i, ell) for i, (s, ell) in
                                                       enumerate(zip(decode, lengths, strict=True))]
         batch, out = self.base.target_forward(rows, self.drafter.taps)
         t2 = time.perf_counter()
         result.times["verify"] = t2 - t1
         result.num_forward_tokens = batch.num_tokens
-        self._sample_plain(result, plain, batch, out)
+        self.base.sample_plain(result, plain, batch, out)
         if decode:
             self._verify(result, decode, block, lengths, batch, out, len(plain))
         self._commit_context(result, [*plain, *decode], batch, out)
@@ -149,31 +149,10 @@ class SpecRunner:
         return [min(ell, c) for ell, c in zip(lengths, caps, strict=True)]
 
     @staticmethod
-    def _plain_row(s: ScheduledRequest) -> BatchRow:
-        req, start = s.request, s.request.num_computed
-        return BatchRow(req.request_id, req.all_ids[start : start + s.num_new_tokens],
-                        start + s.num_new_tokens, 1 if s.samples else 0)
-
-    @staticmethod
     def _verify_row(s: ScheduledRequest, block: DraftBlock | None, i: int, ell: int) -> BatchRow:
         req = s.request
         drafts = block.tokens[i, :ell].tolist() if block is not None and ell else []
         return BatchRow(req.request_id, [req.all_ids[-1], *drafts], req.num_computed + 1 + ell, 1 + ell)
-
-    def _sample_plain(self, result: StepResult, plain, batch, out) -> None:
-        """Prefill chunks and undrafted decodes: one token where due, as plain decoding."""
-        for s in plain:
-            result.num_computed[s.request.request_id] = s.request.num_computed + s.num_new_tokens
-        sampling = [(i, s.request) for i, s in enumerate(plain) if s.samples]
-        if not sampling:
-            return
-        reqs = [r for _, r in sampling]
-        logits = out.logits[torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)]
-        probs = probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device))
-        tokens = sample(probs, [r.generator for r in reqs])
-        for j, r in enumerate(reqs):
-            result.tokens[r.request_id] = [int(tokens[j])]
-            self._logprobs(result, r, logits[j : j + 1], tokens[j : j + 1])
 
     def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int) -> None:
         reqs = [s.request for s in decode]

@@ -35,6 +35,17 @@ def test_sts_recovers_the_temperature_and_lowers_ece():
         assert after["brier"] <= before["brier"] + 1e-9
 
 
+def test_sts_metrics_on_held_out_rounds():
+    logits, accepted = synthetic()
+    held = synthetic(seed=1)
+    cal = fit_sts(logits, accepted, held)
+    assert cal.temperatures == fit_sts(logits, accepted).temperatures  # the fit uses the first set only
+    observed = (held[1][:, None] >= torch.arange(1, logits.shape[1] + 1)[None]).float().mean(0)
+    for k, after in enumerate(cal.after):
+        assert abs(after["observed"] - float(observed[k])) < 1e-9  # metrics are on the held-out set
+        assert after["ece"] < 0.03
+
+
 def test_temperature_scaling_is_monotone_and_order_preserving():
     logits, accepted = synthetic(n=2000)
     cal = fit_sts(logits, accepted)

@@ -64,11 +64,18 @@ def metrics(pred: torch.Tensor, outcome: torch.Tensor) -> list[dict]:
              "observed": float(outcome[:, k].float().mean())} for k in range(pred.shape[1])]
 
 
-def fit_sts(logits: torch.Tensor, accepted: torch.Tensor) -> Calibration:
+def outcomes(accepted: torch.Tensor, g: int) -> torch.Tensor:
+    """y_k = 1 iff at least k draft tokens of the block were accepted: [N, g]."""
+    return (accepted[:, None] >= torch.arange(1, g + 1)[None]).float()
+
+
+def fit_sts(logits: torch.Tensor, accepted: torch.Tensor,
+            held: tuple[torch.Tensor, torch.Tensor] | None = None) -> Calibration:
     """logits [N, g] raw confidence logits of N verified blocks (full block verified);
-    accepted [N] draft tokens accepted in each. Outcome y_k = 1 iff accepted >= k."""
+    accepted [N] draft tokens accepted in each. The metrics before/after are computed on
+    `held` (logits, accepted) when given -- rounds not used for the fit -- else in-sample."""
     g = logits.shape[1]
-    outcome = (accepted[:, None] >= torch.arange(1, g + 1)[None]).float()
+    outcome = outcomes(accepted, g)
     logits = logits.double()
     temps = [1.0] * g
     for k in range(g):
@@ -79,4 +86,6 @@ def fit_sts(logits: torch.Tensor, accepted: torch.Tensor) -> Calibration:
             if err < best - 1e-12:
                 best, best_t = err, t
         temps[k] = best_t
+    if held is not None:
+        logits, outcome = held[0].double(), outcomes(held[1], g)
     return Calibration(temps, metrics(survival(logits, [1.0] * g), outcome), metrics(survival(logits, temps), outcome))

@@ -2,7 +2,8 @@
 
 Rollouts are real verification rounds: the drafter proposes, the full block is verified
 (`static:gamma`), and each round records the raw confidence logits and how many draft
-tokens were accepted. STS (spec/calibrate.py) is fitted on them; the temperatures are
+tokens were accepted. STS (spec/calibrate.py) is fitted on the rounds of every other prompt
+and scored on the rounds of the remaining prompts (so the reported ECE is out of sample); the temperatures are
 written into the drafter's config.json; ECE/AUROC/Brier per position before and after and
 a reliability diagram go to the output directory.
 
@@ -77,8 +78,12 @@ def reliability_plot(logits: torch.Tensor, accepted: torch.Tensor, cal: Calibrat
 
 def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: str, max_tokens: int = 128,
               temperature: float = 1.0, write: bool = True) -> Calibration:
-    logits, accepted = collect(model, drafter_dir, prompts, max_tokens, temperature)
-    cal = fit_sts(logits, accepted)
+    if len(prompts) < 2:
+        raise ValueError("calibration needs at least 2 prompts (half to fit, half to report on)")
+    logits, accepted = collect(model, drafter_dir, prompts[::2], max_tokens, temperature)
+    held = collect(model, drafter_dir, prompts[1::2], max_tokens, temperature, seed=len(prompts))
+    cal = fit_sts(logits, accepted, held)
+    logits, accepted = held
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reliability_plot(logits, accepted, cal, out / "reliability.png")
@@ -91,7 +96,8 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
 
     rows = [[k + 1, b["ece"], a["ece"], b["auroc"] or float("nan"), a["auroc"] or float("nan"), b["brier"], a["brier"],
              a["observed"]] for k, (b, a) in enumerate(zip(cal.before, cal.after, strict=True))]
-    md = (f"# STS calibration of `{drafter_dir}`\n\n{len(accepted)} full-block rounds at temperature {temperature}.\n\n"
+    md = (f"# STS calibration of `{drafter_dir}`\n\nTemperatures fitted on the full-block rounds of half the prompts; "
+          f"the metrics below are on the other half ({len(accepted)} rounds), at temperature {temperature}.\n\n"
           + report.table(["k", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS", "observed a_k"], rows)
           + f"\nTemperatures: {[round(t, 3) for t in cal.temperatures]}\n\n![reliability](reliability.png)\n")
     report.write(out, "calibration", {"drafter": drafter_dir, "rounds": len(accepted), "temperature": temperature,

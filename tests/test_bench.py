@@ -207,10 +207,13 @@ def test_peers_falls_back_to_ngram_and_reports_ratios(qwen3_dir, tmp_path):
     peers.run(s, tmp_path)
     data = stamped(tmp_path / "peers.json")
     assert (data["drafter"], data["policy"]) == ("ngram", "dspark") and "ngram:dspark" in data["note"]
-    assert [r["system"] for r in data["rows"]] == [
-        "transformers generate", "transformers prompt lookup (7)", "dspark none", "dspark ngram:dspark"]
+    names = [r["system"] for r in data["rows"]]
+    assert names[:3] == ["transformers generate", "transformers prompt lookup (7)", "dspark none"]
+    assert names[3].startswith("dspark ngram:static:") and names[4] == "dspark ngram:dspark"
     for r in data["rows"]:
         assert r["tokens"] == 8 and r["tok_s"] > 0 and r["vs_transformers"] > 0 and 0 <= r["greedy_match_fraction"] <= 1
+    assert [(r["system"], r["domain"]) for r in data["domain_rows"]] == [(n, "math") for n in names]
+    assert next(r for r in data["domain_rows"] if r["system"] == "dspark none")["vs_dspark_none"] == 1.0
     assert "Note:" in (tmp_path / "peers.md").read_text()
 
 

@@ -4,13 +4,14 @@
     dspark bench peers --max-tokens 128 --num-prompts 4 --repeats 2
     dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
 
-Four systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+Five systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
-plainly (`none`) and this engine with the model's default drafter and policy
-(engine/factory.py `default_spec`; when no drafter is shipped for the model, `ngram:dspark`
-stands in and the report says so). Runs alternate prompt by prompt, the order rotating, so
-drift hits every system alike; results are tok/s over all prompts and ratios, plus whether
-each system's greedy tokens match transformers' (a sanity check, not a speed claim).
+plainly (`none`), this engine with the model's default drafter verifying its whole block
+(`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
+when no drafter is shipped for the model, `ngram` stands in and the report says so). Runs alternate prompt by prompt, the order rotating, so
+drift hits every system alike; results are tok/s over all prompts and per domain (math, code,
+chat) with ratios, plus whether each system's greedy tokens match transformers' (a sanity
+check, not a speed claim).
 """
 
 from __future__ import annotations
@@ -92,12 +93,16 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype).to(cfg.device).eval()
     pad = tok.token_id("<|endoftext|>") or 0
     spec_label = f"dspark {drafter}:{policy}"
+    spec = build_engine(path, drafter, policy, cfg, profile=s.profile)
+    gamma = spec.drafter.gamma  # type: ignore[union-attr]
     systems = {
         "transformers generate": hf_system(hf, s.max_tokens, pad),
         f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, s.max_tokens, pad,
                                                                      prompt_lookup_num_tokens=s.lookup_tokens),
         "dspark none": engine_system(build_engine(path, None, "none", cfg), s.max_tokens),
-        spec_label: engine_system(build_engine(path, drafter, policy, cfg, profile=s.profile), s.max_tokens),
+        f"dspark {drafter}:static:{gamma}": engine_system(build_engine(path, drafter, f"static:{gamma}", cfg,
+                                                                       profile=s.profile), s.max_tokens),
+        spec_label: engine_system(spec, s.max_tokens),
     }
     names = list(systems)
     for fn in systems.values():  # warm-up
@@ -105,6 +110,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     same = dict.fromkeys(names, 0)
+    per_domain: dict[tuple[str, str], list[float]] = {}  # (system, domain) -> [seconds, tokens]
     runs = [(r, i) for r in range(s.repeats) for i in range(len(jobs))]
     for r, i in tqdm(runs, desc="peers", disable=None):
         shift = (r * len(jobs) + i) % len(names)
@@ -114,21 +120,31 @@ def run(s: PeersSettings, out: str | Path) -> dict:
             seconds[name] += dt
             tokens[name] += len(ids)
             outputs[name] = ids
+            acc = per_domain.setdefault((name, jobs[i].domain), [0.0, 0])
+            acc[0] += dt
+            acc[1] += len(ids)
         for name in names:
             same[name] += outputs[name] == outputs[names[0]]
     rows = [{"system": n, "tok_s": tokens[n] / seconds[n], "tokens": tokens[n], "seconds": seconds[n],
              "vs_transformers": ratio(tokens[n] / seconds[n], tokens[names[0]] / seconds[names[0]]),
              "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
              "greedy_match_fraction": same[n] / len(runs)} for n in names]
-    md = markdown(rows, s, path, note)
+    domains = list(dict.fromkeys(j.domain for j in jobs))
+    domain_rows = [{"system": n, "domain": d, "tok_s": per_domain[n, d][1] / per_domain[n, d][0],
+                    "vs_transformers": ratio(per_domain[n, d][1] / per_domain[n, d][0],
+                                             per_domain[names[0], d][1] / per_domain[names[0], d][0]),
+                    "vs_dspark_none": ratio(per_domain[n, d][1] / per_domain[n, d][0],
+                                            per_domain["dspark none", d][1] / per_domain["dspark none", d][0])}
+                   for n in names for d in domains]
+    md = markdown(rows, domain_rows, s, path, note)
     payload = {"benchmark": "peers", "model": str(path), "settings": asdict(s), "drafter": drafter,
-               "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows}
+               "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows, "domain_rows": domain_rows}
     report.write(out, "peers", payload, md)
     print(md)
     return payload
 
 
-def markdown(rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:
+def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:
     md = [f"# Single stream: dspark vs transformers on `{path.name}`\n\n",
           f"Greedy, exactly {s.max_tokens} new tokens per prompt (EOS ignored), {s.num_prompts} prompts from each of "
           f"{', '.join(s.datasets)} (chat template), {s.repeats} alternating pass(es), order rotating per prompt.\n"]
@@ -138,4 +154,10 @@ def markdown(rows: list[dict], s: PeersSettings, path: Path, note: str | None) -
         ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers"],
         [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"]]
          for r in rows]))
+    domains = list(dict.fromkeys(r["domain"] for r in domain_rows))
+    by = {(r["system"], r["domain"]): r for r in domain_rows}
+    md.append("\nPer domain: tok/s (× dspark none)\n\n" + report.table(
+        ["system", *domains],
+        [[n, *(f"{by[n, d]['tok_s']:.1f} ({by[n, d]['vs_dspark_none']:.2f}×)" for d in domains)]
+         for n in dict.fromkeys(r["system"] for r in domain_rows)]))
     return "".join(md)

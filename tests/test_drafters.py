@@ -9,7 +9,7 @@ import torch
 
 from dspark.drafters.base import ContextRow, DrafterConfig, ProposeInput, save_drafter
 from dspark.drafters.dspark import block_mask
-from dspark.drafters.registry import load_drafter, new_config, new_drafter
+from dspark.drafters.registry import default_taps, load_drafter, new_config, new_drafter
 from dspark.kv_cache import PagedKVCache
 from dspark.models.loader import load_model
 from dspark.train.anchors import make_batch
@@ -169,3 +169,13 @@ def test_drafter_config_rejects_bad_values():
 def test_paged_cache_budget_is_respected(target):
     cache = PagedKVCache(target.config, 4, 4, "cpu", torch.float32)
     assert cache.bytes == 2 * target.config.num_hidden_layers * 16 * target.config.num_key_value_heads * target.config.head_dim * 4
+
+
+def test_default_taps_spread_over_depth_and_skip_the_last_layer():
+    assert default_taps(6) == (0, 2, 4)
+    assert default_taps(28) == (0, 9, 18)
+    assert default_taps(2) == (0,)
+    assert default_taps(4) == (0, 1, 2)
+    for n in range(2, 64):
+        taps = default_taps(n)
+        assert taps[0] == 0 and max(taps) < n - 1 and len(set(taps)) == len(taps)

@@ -16,10 +16,10 @@ GAMMA = {"dspark": 7, "dflash": 7, "eagle3": 7, "mtp": 1, "ngram": 7}
 
 
 def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
-    """Tap layers spread over depth, never the last (for 6 layers: 0, 2, 4)."""
+    """Tap layers spread over depth, never the last (6 layers: 0, 2, 4; 28 layers: 0, 9, 18)."""
     if num_layers < 2:
         return (0,)
-    step = max(1, (num_layers - 1) // count)
+    step = max(1, -(-(num_layers - 1) // count))  # ceil: the taps reach up the stack
     return tuple(range(0, num_layers - 1, step))[:count]
 
 

@@ -145,11 +145,13 @@ def test_offline_writes_table_curves_and_sweep(qwen3_dir, dspark_dir, tmp_path):
 def test_offline_reads_a_prompts_file(qwen3_dir, tmp_path):
     lines = [{"prompt": "Add 2 and 3.", "domain": "math"}, {"turns": ["Say hi.", "Again."]}]
     (tmp_path / "mine.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    s = offline.OfflineSettings(model=str(qwen3_dir), drafters=("ngram",), prompts_file=str(tmp_path / "mine.jsonl"),
-                                num_prompts=2, max_tokens=8, device="cpu")
+    s = offline.OfflineSettings(model=str(qwen3_dir), drafters=("none", "ngram"),
+                                prompts_file=str(tmp_path / "mine.jsonl"), num_prompts=2, max_tokens=8, device="cpu")
     data = offline.run(s, tmp_path / "out")
-    assert {(r["dataset"], r["domain"], r["num_prompts"]) for r in data["rows"]} == {
-        ("mine:math", "math", 1), ("mine:custom", "custom", 1)}
+    assert {(r["drafter"], r["dataset"], r["domain"], r["num_prompts"]) for r in data["rows"]} == {
+        (d, ds, dom, 1) for d in ("none", "ngram") for ds, dom in (("mine:math", "math"), ("mine:custom", "custom"))}
+    assert all(r["tau"] == 1.0 and r["tokens_per_s"] > 0 for r in data["rows"] if r["drafter"] == "none")
+    assert "Single-stream decoding speed" in (tmp_path / "out" / "offline.md").read_text()
     assert data["threshold_sweep"] == [] and "mine:math" in (tmp_path / "out" / "offline.md").read_text()
 
 

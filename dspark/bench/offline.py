@@ -6,6 +6,7 @@ draft position (Fig. 2) and, for DSpark drafters, a confidence-threshold sweep (
     dspark bench offline --quick          # a ~1 minute smoke run (never a speed claim)
 
 Batch size 1: every drafter decodes the same chat-templated prompts one request at a time
+(`--drafters none,...` adds plain decoding as the speed reference of the same run)
 under `static:<gamma>` (the whole block verified, as in the paper's Table 1; MTP: static:1),
 so tau measures the drafter alone. The sweep reruns the same prompts with `threshold:t`.
 A named drafter whose checkpoint is not shipped is skipped and listed in the report.
@@ -97,6 +98,12 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
     sweeps: dict[str, list[dict]] = {}
     skipped = []
     for name in s.drafters:
+        if name == "none":  # plain decoding in the same run: the speed reference
+            engine = build_engine(path, None, "none", cfg, profile="off")
+            for t in s.temperatures:
+                outs = decode_each(engine, jobs, t, s, f"none T={t}")
+                rows += dataset_rows(outs, drafter="none", kind="none", policy="none", gamma=0, temperature=t)
+            continue
         native = drafter_gamma(name, path)
         if native is None:
             print(f"skipping drafter {name!r}: no checkpoint for this model")
@@ -125,7 +132,7 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
 
 
 def figures_for(rows, sweeps, temperature: float, out: Path) -> list[str]:
-    first = [r for r in rows if r["temperature"] == temperature]
+    first = [r for r in rows if r["temperature"] == temperature and r["kind"] != "none"]
     curves: dict[str, dict[str, list]] = {}
     for r in first:
         curves.setdefault(r["domain"], {}).setdefault(r["drafter"], []).append(r["conditional_acceptance"])
@@ -187,7 +194,10 @@ def markdown(rows, sweeps, s: OfflineSettings, path: Path, skipped: list[str], f
         head, table = _domain_table(at, "tau")
         md += [f"\n## τ at temperature {t}\n", report.table(head, table)]
         md.append(ratio_table(at))
-    first = [r for r in rows if r["temperature"] == s.temperatures[0]]
+        head, table = _domain_table(at, "tokens_per_s")
+        md += [f"\nSingle-stream decoding speed at temperature {t} (tok/s, the same runs; draft cost included, "
+               "nothing else running):\n\n", report.table(head, table)]
+    first = [r for r in rows if r["temperature"] == s.temperatures[0] and r["kind"] != "none"]
     if first:
         md.append(f"\n## Conditional acceptance per draft position (temperature {s.temperatures[0]})\n")
         md.append("P(x_k accepted | x_1..x_{k-1} accepted), macro-averaged over the domain's datasets.\n\n")

@@ -8,8 +8,9 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
     dspark bench online --quick                                              # ~1 minute smoke run
 
 A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
-engine/factory.py, warmed up, then driven by C closed-loop clients (loop.py) at every C in
-turn. Workloads: `mixed` (math, code and chat prompts interleaved, chat-templated) and
+engine/factory.py and warmed up; then, at every C in turn, each engine is driven by C
+closed-loop clients (loop.py), the configurations interleaved in an order that rotates per C,
+so machine drift does not land on one configuration. Workloads: `mixed` (math, code and chat prompts interleaved, chat-templated) and
 `hostile` (random token strings: drafts are almost always rejected). With `--url` every URL
 is one configuration (its /v1/models card names drafter and policy) and the load goes over
 HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
@@ -102,6 +103,22 @@ def row_for(config: str, c: int, res: LoopResult, extra: dict) -> dict:
             "peak_gpu_mib": None if res.peak_gpu_bytes is None else res.peak_gpu_bytes / MiB, **extra}
 
 
+def measure_one(s: OnlineSettings, sp: Spec, engine, c: int, jobs: list[Job], params) -> dict:
+    """One configuration at concurrency c: closed-loop clients, then the row of the table."""
+    kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
+    runner = engine.runner
+    before = getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)
+    bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"{sp.label} C={c}", leave=False, disable=None)
+    res = closed_loop(engine, jobs, c, params, per_client(s), s.duration_s, lambda b=bar: b.update())
+    bar.close()
+    steps = getattr(runner, "steps", 0) - before[1]
+    drafted = (getattr(runner, "drafted_steps", 0) - before[0]) / steps if steps else None
+    return row_for(sp.label, c, res, {
+        "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
+        "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
+        "drafted_step_fraction": drafted if engine.drafter else None})
+
+
 def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict], list[str]]:
     from dspark.engine.factory import build_engine
     from dspark.sampling import SamplingParams
@@ -117,28 +134,24 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict
         print(f"skipping config {label!r}: no drafter checkpoint for this model")
     longest = max(len(j.ids) for j in jobs) + s.max_tokens + max(g or 0 for g in gammas.values()) + 2
     cfg = engine_config(path, max(s.concurrency), longest, s.device)
-    rows = []
-    for sp in specs:
+    engines = {}
+    for sp in specs:  # every engine is built and warmed up first, then the runs interleave
         native = gammas[sp.label]
         if native is None:
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
         engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile)
         closed_loop(engine, jobs[:2], 2, lambda i: params(i, 8), per_client=1)  # warm-up
-        kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
-        for c in tqdm(s.concurrency, desc=sp.label, disable=None):
-            runner = engine.runner
-            before = getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)
-            bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"C={c}", leave=False, disable=None)
-            res = closed_loop(engine, jobs, c, params, per_client(s), s.duration_s, lambda b=bar: b.update())
-            bar.close()
-            steps = getattr(runner, "steps", 0) - before[1]
-            drafted = (getattr(runner, "drafted_steps", 0) - before[0]) / steps if steps else None
-            rows.append(row_for(sp.label, c, res, {
-                "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
-                "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
-                "drafted_step_fraction": drafted if engine.drafter else None}))
-        del engine
+        engines[sp.label] = (sp, engine)
+    rows = []
+    labels = list(engines)
+    for level, c in enumerate(tqdm(s.concurrency, desc="concurrency", disable=None)):
+        shift = level % len(labels) if labels else 0
+        for label in labels[shift:] + labels[:shift]:  # order rotates, so drift hits every config alike
+            sp, engine = engines[label]
+            rows.append(measure_one(s, sp, engine, c, jobs, params))
+    order = {label: i for i, label in enumerate(labels)}
+    rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
     return rows, skipped
 
 
@@ -208,7 +221,7 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
           "per-user tok/s = a request's tokens after the first over the time since its first token. "
-          "Peak RSS is the whole process (weights, the preallocated KV pool, Python); the KV blocks and "
+          "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave: weights, preallocated KV pools, Python); the KV blocks and "
           "the drafter's cache are what the load really occupied.\n"]
     if skipped:
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")

@@ -10,10 +10,10 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
 A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
 engine/factory.py and warmed up; then, at every C in turn, each engine is driven by C
 closed-loop clients (loop.py), the configurations interleaved in an order that rotates per C,
-so machine drift does not land on one configuration. Workloads: `mixed` (math, code and chat prompts interleaved, chat-templated) and
-`hostile` (random token strings: drafts are almost always rejected). With `--url` every URL
-is one configuration (its /v1/models card names drafter and policy) and the load goes over
-HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
+so machine drift does not land on one configuration. Workloads: `mixed` (math, code and chat
+prompts interleaved, chat-templated) and `hostile` (random token strings: drafts are almost
+always rejected). With `--url` every URL is one configuration (its /v1/models card names
+drafter and policy) and the load goes over HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
 run: online-hostile.json, ...), with ratios against `none` (or the first configuration)
 measured in the same run.
 """
@@ -221,8 +221,8 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
           "per-user tok/s = a request's tokens after the first over the time since its first token. "
-          "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave: weights, preallocated KV pools, Python); the KV blocks and "
-          "the drafter's cache are what the load really occupied.\n"]
+          "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave: "
+          "weights, preallocated KV pools, Python); the KV blocks and the drafter's cache are what the load really occupied.\n"]
     if skipped:
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")
     head = ["config", "C", "tok/s", "per-user mean", "per-user p50", "TTFT mean s", "TTFT p50 s", "budget", "τ",

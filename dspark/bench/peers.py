@@ -8,10 +8,10 @@ Five systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): tran
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
-when no drafter is shipped for the model, `ngram` stands in and the report says so). Runs alternate prompt by prompt, the order rotating, so
-drift hits every system alike; results are tok/s over all prompts and per domain (math, code,
-chat) with ratios, plus whether each system's greedy tokens match transformers' (a sanity
-check, not a speed claim).
+when no drafter is shipped for the model, `ngram` stands in and the report says so). Runs
+alternate prompt by prompt, the order rotating, so drift hits every system alike; results
+are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
+system's greedy tokens match transformers' (a sanity check, not a speed claim).
 """
 
 from __future__ import annotations
@@ -129,13 +129,11 @@ def run(s: PeersSettings, out: str | Path) -> dict:
              "vs_transformers": ratio(tokens[n] / seconds[n], tokens[names[0]] / seconds[names[0]]),
              "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
              "greedy_match_fraction": same[n] / len(runs)} for n in names]
+    speed = {key: toks / secs for key, (secs, toks) in per_domain.items()}  # (system, domain) -> tok/s
     domains = list(dict.fromkeys(j.domain for j in jobs))
-    domain_rows = [{"system": n, "domain": d, "tok_s": per_domain[n, d][1] / per_domain[n, d][0],
-                    "vs_transformers": ratio(per_domain[n, d][1] / per_domain[n, d][0],
-                                             per_domain[names[0], d][1] / per_domain[names[0], d][0]),
-                    "vs_dspark_none": ratio(per_domain[n, d][1] / per_domain[n, d][0],
-                                            per_domain["dspark none", d][1] / per_domain["dspark none", d][0])}
-                   for n in names for d in domains]
+    domain_rows = [{"system": n, "domain": d, "tok_s": speed[n, d],
+                    "vs_transformers": ratio(speed[n, d], speed[names[0], d]),
+                    "vs_dspark_none": ratio(speed[n, d], speed["dspark none", d])} for n in names for d in domains]
     md = markdown(rows, domain_rows, s, path, note)
     payload = {"benchmark": "peers", "model": str(path), "settings": asdict(s), "drafter": drafter,
                "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows, "domain_rows": domain_rows}

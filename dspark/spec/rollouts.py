@@ -20,15 +20,19 @@ import torch
 from dspark.spec.calibrate import Calibration, fit_sts, survival
 
 
-def collect(model: str | None, drafter: str, prompts: list[str], max_tokens: int, temperature: float,
-            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> conf logits [N, g] and accepted [N] over all full-block rounds."""
+def rollout_engine(model: str | None, drafter: str):
+    """An engine that verifies every drafted position (static:64 is capped at the drafter's gamma)."""
     from dspark.config import EngineConfig
     from dspark.engine.factory import build_engine
+
+    return build_engine(model, drafter, "static:64", EngineConfig(max_num_seqs=16), profile="off")
+
+
+def collect(engine, prompts: list[str], max_tokens: int, temperature: float,
+            seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> conf logits [N, g] and accepted [N] over all full-block rounds of these prompts."""
     from dspark.sampling import SamplingParams
 
-    # static:64 verifies every drafted position (it is capped at the drafter's gamma)
-    engine = build_engine(model, drafter, "static:64", EngineConfig(max_num_seqs=16), profile="off")
     runner = engine.runner
     runner.recorder = []  # type: ignore[union-attr]
     gamma = engine.drafter.gamma  # type: ignore[union-attr]
@@ -80,8 +84,9 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
               temperature: float = 1.0, write: bool = True) -> Calibration:
     if len(prompts) < 2:
         raise ValueError("calibration needs at least 2 prompts (half to fit, half to report on)")
-    logits, accepted = collect(model, drafter_dir, prompts[::2], max_tokens, temperature)
-    held = collect(model, drafter_dir, prompts[1::2], max_tokens, temperature, seed=len(prompts))
+    engine = rollout_engine(model, drafter_dir)
+    logits, accepted = collect(engine, prompts[::2], max_tokens, temperature)
+    held = collect(engine, prompts[1::2], max_tokens, temperature, seed=len(prompts))
     cal = fit_sts(logits, accepted, held)
     logits, accepted = held
     out = Path(out_dir)

@@ -3,7 +3,8 @@
     build_engine("dspark-tiny", drafter="dspark", policy="dspark", gamma=7)
 
 On the embedded model the defaults are the shipped `dspark` drafter and the `dspark`
-policy; elsewhere plain decoding unless a drafter is named. Policies that weigh costs
+policy, and a policy named without a drafter uses the shipped one; elsewhere plain
+decoding unless a drafter is named. Policies that weigh costs
 (dspark, dspark-async) load the step profile from the on-disk cache or measure it.
 """
 
@@ -35,8 +36,11 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs)."""
     cfg = cfg or EngineConfig()
     path = resolve_model_path(model)
+    default_drafter, default_policy = default_spec(path)
     if drafter is None and policy is None:
-        drafter, policy = default_spec(path)
+        drafter, policy = default_drafter, default_policy
+    if drafter is None and policy not in (None, "none"):
+        drafter = default_drafter  # e.g. `--policy static:7` on dspark-tiny uses its shipped drafter
     policy = policy or ("dspark" if drafter else "none")
     if policy != "none" and not drafter:
         raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|PATH)")

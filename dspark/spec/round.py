@@ -36,27 +36,28 @@ class GateConfig:
     enabled: bool = True
     probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
     probe_max: int = 128
+    recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
 
 
 class Gate:
-    """Predicts whether drafting pays this step, from history only (lossless)."""
+    """Predicts whether drafting pays this step, from history only (lossless).
+
+    The verdict depends on the batch shape, the acceptance estimates and the profile; it is
+    cached until one of the first two changes or `recheck_every` steps pass, so a closed gate
+    costs a dictionary lookup per step rather than a walk of Algorithm 1.
+    """
 
     def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
         self.cfg, self.stats, self.profile = cfg, stats, profile
         self.wait, self.interval = 0, cfg.probe_every
         self.probing = False
+        self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
 
     def should_draft(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
         self.probing = False
         if not self.cfg.enabled or self.profile is None:
             return True
-        conf = torch.tensor([self.stats.conditional()] * num_requests)
-        cands = candidates(conf, caps)
-        admitted = algorithm1(cands, num_requests, other_tokens, self.profile.cost)
-        gain = sum(c.survival for c in cands[:admitted])
-        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + other_tokens + admitted)
-        plain = num_requests / self.profile.verify(num_requests + other_tokens)
-        if spec > plain:
+        if self.pays(num_requests, other_tokens, caps):
             self.interval = self.cfg.probe_every
             return True
         self.wait += 1
@@ -65,6 +66,26 @@ class Gate:
             self.probing = True
             return True
         return False
+
+    def pays(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+        key = (num_requests, other_tokens, tuple(caps), self.stats.version)
+        if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
+            self.memo = (key, self.memo[1] + 1, self.memo[2])
+            return self.memo[2]
+        verdict = self.predict(num_requests, other_tokens, caps)
+        self.memo = (key, 1, verdict)
+        return verdict
+
+    def predict(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+        """Algorithm 1 on the running acceptance estimates: does its best budget beat plain?"""
+        assert self.profile is not None
+        conf = torch.tensor([self.stats.conditional()] * num_requests)
+        cands = candidates(conf, caps)
+        admitted = algorithm1(cands, num_requests, other_tokens, self.profile.cost)
+        gain = sum(c.survival for c in cands[:admitted])
+        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + other_tokens + admitted)
+        plain = num_requests / self.profile.verify(num_requests + other_tokens)
+        return spec > plain
 
 
 class SpecRunner:

@@ -18,8 +18,10 @@ class AcceptanceStats:
         self.accepted = [prior * prior_weight] * gamma
         self.total_tried = [0] * gamma  # undecayed counts, for reporting
         self.total_accepted = [0] * gamma
+        self.version = 0  # bumped by every update, so callers can cache what they derive
 
     def update(self, lengths: Sequence[int], num_accepted: Sequence[int]) -> None:
+        self.version += 1
         for ell, n in zip(lengths, num_accepted, strict=True):
             if ell <= 0:
                 continue

@@ -49,6 +49,7 @@ class DrafterTrainConfig:
     head: str = ""  # dspark: markov | gated | rnn
     rank: int = 64
     conf_stop_grad: bool = False
+    init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
     seq_len: int = 512
     batch_size: int = 8
     anchors_per_seq: int = 16
@@ -93,12 +94,17 @@ def build(cfg: DrafterTrainConfig):
     target, tok = load_model(cfg.model, str(train_device(cfg)), "float32")
     for p in target.parameters():
         p.requires_grad_(False)
-    extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head}.items() if v}
-    if cfg.kind == "dspark":
-        extra["rank"] = cfg.rank
-    dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
     torch.manual_seed(cfg.seed)
-    drafter = new_drafter(dcfg).to(train_device(cfg))
+    if cfg.init_from:
+        drafter = initial_drafter(cfg, target.config)
+        dcfg = drafter.config
+    else:
+        extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head}.items() if v}
+        if cfg.kind == "dspark":
+            extra["rank"] = cfg.rank
+        dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
+        drafter = new_drafter(dcfg)
+    drafter = drafter.to(train_device(cfg))
     drafter._target = [target]  # type: ignore[attr-defined]
     return target, tok, drafter, dcfg
 
@@ -161,6 +167,21 @@ def expected_tau(conditional: list[float]) -> float:
         surv *= c
         tau += surv
     return round(tau, 4)
+
+
+def initial_drafter(cfg: DrafterTrainConfig, target_config):
+    """The drafter at cfg.init_from, in float32, as the start of a further stage (e.g. after the
+    target trained further). Its STS temperatures are dropped: calibrate the new weights again."""
+    from dspark.drafters.registry import load_drafter
+
+    drafter = load_drafter(cfg.init_from)
+    dcfg = drafter.config
+    if dcfg.kind != cfg.kind:
+        raise ValueError(f"init_from holds a {dcfg.kind!r} drafter, not {cfg.kind!r}")
+    if dcfg.vocab_size != target_config.vocab_size or dcfg.hidden_size != target_config.hidden_size:
+        raise ValueError("init_from drafter was built for a target of another size")
+    drafter.config = dcfg.replace(sts_temperatures=())
+    return drafter.float()
 
 
 def setup_distributed(device: torch.device) -> tuple[int, int]:

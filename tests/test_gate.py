@@ -1,0 +1,62 @@
+"""The never-slower gate: closed when the profile and the acceptance seen so far say drafting
+loses, open when it pays, probing at doubling intervals while closed, and its cached verdict
+follows new acceptance statistics at once and a drifting profile within `recheck_every` steps."""
+
+from __future__ import annotations
+
+from dspark.spec.profile import StepProfile
+from dspark.spec.round import Gate, GateConfig
+from dspark.spec.stats import AcceptanceStats
+
+GAMMA = 4
+
+
+def profile(draft_s: float) -> StepProfile:
+    """A flat verify cost (memory-bound target): drafting pays exactly when drafts are cheap and accepted."""
+    return StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.01, 0.01], requests=[1, 8], draft_s=[draft_s] * 2)
+
+
+def stats(accept: bool, rounds: int = 200) -> AcceptanceStats:
+    s = AcceptanceStats(GAMMA)
+    for _ in range(rounds):
+        s.update([GAMMA], [GAMMA if accept else 0])
+    return s
+
+
+def test_closed_gate_probes_at_doubling_intervals():
+    gate = Gate(GateConfig(probe_every=2, probe_max=8), stats(accept=False), profile(draft_s=0.05))
+    calls = [(gate.should_draft(1, 0, [GAMMA]), gate.probing) for _ in range(40)]
+    assert [i for i, (d, _) in enumerate(calls) if d] == [1, 5, 13, 21, 29, 37]  # waits 2, 4, 8, 8 (the cap)
+    assert all(d == p for d, p in calls)  # every opening is a probe
+
+
+def test_open_gate_drafts_every_step():
+    gate = Gate(GateConfig(), stats(accept=True), profile(draft_s=0.001))
+    assert all(gate.should_draft(4, 0, [GAMMA] * 4) for _ in range(50))
+    assert not gate.probing
+
+
+def test_verdict_follows_new_acceptance_immediately():
+    s = stats(accept=False)
+    gate = Gate(GateConfig(probe_every=1000), s, profile(draft_s=0.001))
+    assert not gate.should_draft(1, 0, [GAMMA])
+    for _ in range(400):
+        s.update([GAMMA], [GAMMA])
+    assert gate.should_draft(1, 0, [GAMMA])
+
+
+def test_verdict_follows_a_drifting_profile_within_recheck_every():
+    prof = profile(draft_s=0.05)
+    gate = Gate(GateConfig(probe_every=1000, recheck_every=4), stats(accept=True), prof)
+    assert not gate.should_draft(1, 0, [GAMMA])
+    prof.draft_s = [0.001, 0.001]  # e.g. the online correction found drafting cheaper
+    verdicts = [gate.should_draft(1, 0, [GAMMA]) for _ in range(4)]
+    assert verdicts[-1] and not verdicts[0]
+
+
+def test_a_new_batch_shape_is_judged_afresh():
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.01, 0.16], requests=[1, 64], draft_s=[0.001] * 2)
+    gate = Gate(GateConfig(probe_every=1000), stats(accept=True), prof)
+    assert gate.should_draft(1, 0, [GAMMA])  # verifying is free at batch 1 (memory-bound)
+    assert not gate.should_draft(64, 0, [GAMMA] * 64)  # compute-bound: extra tokens cost their full price
+    assert gate.should_draft(1, 0, [GAMMA])

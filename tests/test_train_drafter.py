@@ -1,0 +1,64 @@
+"""Drafter training continued from a saved drafter (`init_from`): the new stage starts from those
+weights and that architecture, drops the STS temperatures, and refuses a drafter of another kind."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from dspark.drafters.base import save_drafter
+from dspark.drafters.registry import load_drafter, new_config, new_drafter
+from dspark.models.loader import load_model
+from dspark.train.drafter import DrafterTrainConfig, build, train
+
+
+def write_rows(path, vocab: int, n: int = 6) -> None:
+    rng = random.Random(0)
+    rows = [{"prompt_ids": [rng.randrange(4, vocab) for _ in range(8)],
+             "response_ids": [rng.randrange(4, vocab) for _ in range(24)]} for _ in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture()
+def saved(qwen3_dir, tmp_path):
+    target, _ = load_model(qwen3_dir, "cpu", "float32")
+    cfg = new_config("dspark", target.config, 0, taps=(0,), sts_temperatures=(1.5,) * 7)
+    torch.manual_seed(3)
+    drafter = new_drafter(cfg)
+    for p in drafter.parameters():  # non-zero everywhere, so "loaded" differs from "fresh"
+        torch.nn.init.normal_(p, std=0.05)
+    save_drafter(drafter, cfg, tmp_path / "start")
+    write_rows(tmp_path / "rows.jsonl", target.config.vocab_size)
+    return tmp_path
+
+
+def config(qwen3_dir, root, **kw) -> DrafterTrainConfig:
+    rows = str(root / "rows.jsonl")
+    return DrafterTrainConfig(model=str(qwen3_dir), data=rows, heldout=rows, run_dir=str(root / "run"),
+                              seq_len=32, batch_size=2, anchors_per_seq=2, max_steps=2, warmup_steps=1,
+                              eval_every=1000, eval_batches=1, init_from=str(root / "start"), **kw)
+
+
+def test_init_from_starts_at_the_saved_drafter(qwen3_dir, saved):
+    start = load_drafter(str(saved / "start"))
+    _, _, drafter, dcfg = build(config(qwen3_dir, saved))
+    assert dcfg.taps == (0,) and dcfg.sts_temperatures == ()
+    for name, tensor in start.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], tensor.float()), name
+
+
+def test_init_from_trains_and_exports(qwen3_dir, saved):
+    train(config(qwen3_dir, saved, export_dir=str(saved / "out")))
+    out = load_drafter(str(saved / "out"))
+    assert out.config.taps == (0,) and out.config.sts_temperatures == ()
+    start = load_drafter(str(saved / "start"))
+    moved = [n for n, t in out.state_dict().items() if not torch.equal(t, start.state_dict()[n])]
+    assert moved  # the stage trained
+
+
+def test_init_from_refuses_another_kind(qwen3_dir, saved):
+    with pytest.raises(ValueError, match="not 'eagle3'"):
+        build(config(qwen3_dir, saved, kind="eagle3"))

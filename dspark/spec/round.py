@@ -35,7 +35,7 @@ from dspark.spec.verify import verify
 class GateConfig:
     enabled: bool = True
     probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
-    probe_max: int = 128
+    probe_max: int = 256  # a probe costs about two plain steps: <1% of steps once the gate has settled
     recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
 
 

@@ -62,11 +62,21 @@ def engine_system(engine, max_tokens: int):
 
 
 def hf_system(hf, max_tokens: int, pad_id: int, **extra):
+    """Greedy `generate()` for exactly max_tokens: like the engine's ignore_eos, EOS tokens are
+    emitted where the model predicts them and decoding goes on (min_new_tokens would instead mask
+    EOS and change the tokens), so the end-of-sequence id is set to one the model never emits."""
+    import copy
+
+    gen = copy.deepcopy(hf.generation_config)
+    fields = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=hf.config.vocab_size,
+                  temperature=None, top_p=None, top_k=None, **extra)
+    for key, value in fields.items():
+        setattr(gen, key, value)
+
     def generate(ids: list[int]) -> list[int]:
         x = torch.tensor([ids], device=hf.device)
         with torch.inference_mode():
-            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                            min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id, **extra)
+            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)
         return y[0, len(ids):].tolist()
 
     return generate

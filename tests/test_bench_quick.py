@@ -1,0 +1,53 @@
+"""The `--quick` benchmark presets as CI smoke tests on the shipped dspark-tiny model: each runs
+through the real command line, end to end, and writes well-formed results. Never a speed
+assertion (CI machines vary); only that every configuration produced tokens and a report.
+
+    python -m pytest -m slow tests/test_bench_quick.py
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def bench(*args: str, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "dspark", "bench", *args, "--quick", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name = args[0] if args[0] != "online" or "hostile" not in args else "online-hostile"
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def test_offline_quick(tmp_path):
+    res = bench("offline", out=tmp_path)
+    drafters = {r["drafter"] for r in res["rows"]}
+    assert {"dspark", "eagle3", "ngram"} <= drafters
+    assert all(r["tau"] >= 1.0 and r["completion_tokens"] > 0 for r in res["rows"])
+    assert (tmp_path / "offline.md").read_text().count("|") > 20
+    assert (tmp_path / "acceptance.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("workload", ["mixed", "hostile"])
+def test_online_quick(tmp_path, workload):
+    res = bench("online", "--workload", workload, out=tmp_path)
+    configs = {r["config"] for r in res["rows"]}
+    assert "none" in configs and "dspark:dspark" in configs
+    assert all(r["completion_tokens"] > 0 and r["throughput_tok_s"] > 0 for r in res["rows"])
+    suffix = "" if workload == "mixed" else "-hostile"
+    assert (tmp_path / f"frontier{suffix}.png").stat().st_size > 0
+
+
+def test_peers_quick(tmp_path):
+    res = bench("peers", out=tmp_path)
+    systems = {r["system"] for r in res["rows"]}
+    assert "transformers generate" in systems and len(systems) >= 4
+    assert all(r["tokens"] > 0 for r in res["rows"])
+    greedy = [r for r in res["rows"] if r.get("greedy_match_fraction") is not None and "lookup" not in r["system"]]
+    assert greedy and all(r["greedy_match_fraction"] == 1.0 for r in greedy)  # lossless against transformers

@@ -88,6 +88,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     q.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
     q.set_defaults(func=run_peers)
 
+    t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
+    t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
+    t.set_defaults(func=run_targets)
+
 
 def _given(args: argparse.Namespace, **names: str) -> dict:
     """Settings fields from the arguments the user set (None: keep the default or preset)."""
@@ -145,4 +149,12 @@ def run_peers(args: argparse.Namespace) -> int:
     fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
                          repeats="repeats", profile="profile"))
     peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
+    return 0
+
+
+def run_targets(args: argparse.Namespace) -> int:
+    from dspark.bench import targets
+    from dspark.bench.report import DEFAULT_OUT
+
+    targets.run(args.results or DEFAULT_OUT)
     return 0

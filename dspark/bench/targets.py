@@ -1,0 +1,145 @@
+"""`dspark bench targets`: the issue's benchmark targets checked against committed results.
+
+Reads offline.json, online.json, online-hostile.json and peers.json from one results
+directory (each written by its own `dspark bench` command, in one run per file, so every ratio
+compares configurations measured side by side) and writes targets.json and targets.md: each
+target's measured value, its bar, met or missed, and the file it came from. Nothing is
+measured here; a missing file leaves its targets "not measured".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from dspark.bench import report
+from dspark.bench.frontier import curve, speed_at_throughput
+from dspark.bench.summary import macro, ratio
+
+SPEC = "dspark:dspark"
+
+
+@dataclass(frozen=True)
+class Check:
+    target: str
+    bar: float  # the measured value must be >= bar
+    value: float | None  # None: not measured (file or configuration missing)
+    source: str
+    detail: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return "not measured"
+        return "met" if self.value >= self.bar else "missed"
+
+
+def _load(results: Path, name: str) -> dict | None:
+    path = results / f"{name}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def offline_checks(res: dict | None) -> list[Check]:
+    rows = [r for r in (res or {}).get("rows", []) if r.get("temperature") == 1.0]
+
+    def mean_tau(drafter: str) -> float | None:
+        dom = macro([r for r in rows if r["drafter"] == drafter], "tau")
+        return sum(dom.values()) / len(dom) if dom else None
+
+    dspark = mean_tau("dspark")
+    return [Check(f"offline τ (T = 1, γ = 7, domain macro): dspark / {other}", bar, ratio(dspark, mean_tau(other)),
+                  "offline.json", f"dspark {_f(dspark)}, {other} {_f(mean_tau(other))}")
+            for other, bar in (("eagle3", 1.25), ("dflash", 1.15))]
+
+
+def peers_checks(res: dict | None) -> list[Check]:
+    res = res or {}
+    spec = next((r for r in res.get("rows", []) if r["system"].endswith(f" {SPEC}")), None)
+    by_domain = {r["domain"]: r for r in res.get("domain_rows", []) if spec and r["system"] == spec["system"]}
+    checks = [Check(f"single stream, {d}: {SPEC} / none", 2.0, by_domain.get(d, {}).get("vs_dspark_none"),
+                    "peers.json") for d in ("math", "code")]
+    checks.append(Check(f"single stream: {SPEC} / transformers generate()", 3.0,
+                        spec["vs_transformers"] if spec else None, "peers.json"))
+    return checks
+
+
+def load_checks(res: dict | None) -> list[Check]:
+    rows = (res or {}).get("rows", [])
+    if not rows:
+        return []
+    top, low = max(r["concurrency"] for r in rows), min(r["concurrency"] for r in rows)
+    at = {(r["config"], r["concurrency"]): r for r in rows}
+    statics = sorted({r["config"] for r in rows if ":static:" in r["config"]})
+
+    def best_static(c: int, key: str) -> tuple[str | None, float | None]:
+        vals = [(at[s, c][key], s) for s in statics if (s, c) in at]
+        return (max(vals)[1], max(vals)[0]) if vals else (None, None)
+
+    def mine(c: int, key: str) -> float | None:
+        return at.get((SPEC, c), {}).get(key)
+
+    name_t, best_t = best_static(top, "throughput_tok_s")
+    name_u, best_u = best_static(low, "per_user_tok_s_mean")
+    checks = [
+        Check(f"C = {top}: {SPEC} aggregate / best static:k", 1.0, ratio(mine(top, "throughput_tok_s"), best_t),
+              "online.json", f"best static: {name_t}"),
+        Check(f"C = {top}: {SPEC} aggregate / none", 1.0,
+              ratio(mine(top, "throughput_tok_s"), at.get(("none", top), {}).get("throughput_tok_s")), "online.json"),
+        Check(f"C = {low}: {SPEC} per-user / best static:k", 0.95, ratio(mine(low, "per_user_tok_s_mean"), best_u),
+              "online.json", f"best static: {name_u}"),
+    ]
+    mtp = "mtp:static:1"
+    if any(r["config"] == mtp for r in rows):
+        checks.append(matched_check(rows, mtp))
+    return checks
+
+
+def matched_check(rows: list[dict], base: str) -> Check:
+    """Per-user speed over `base`'s at the throughput levels both curves reach (the worst level)."""
+    mine, theirs = curve(rows, SPEC), curve(rows, base)
+    ratios = [ratio(speed_at_throughput(mine, t), speed_at_throughput(theirs, t)) for _, t in theirs]
+    ratios = [r for r in ratios if r is not None]
+    return Check(f"matched aggregate throughput: {SPEC} per-user / {base}", 1.5, min(ratios) if ratios else None,
+                 "online.json", f"lowest over {len(ratios)} of {base}'s throughput levels")
+
+
+def never_a_loss(res: dict | None, source: str) -> list[Check]:
+    ratios = [r for r in (res or {}).get("ratios", []) if r["config"] == SPEC and r["throughput_ratio"] is not None]
+    if not ratios:
+        return [Check(f"never a loss ({source}): {SPEC} / none, every C", 0.97, None, source)]
+    worst = min(ratios, key=lambda r: r["throughput_ratio"])
+    return [Check(f"never a loss ({source}): {SPEC} / none, every C", 0.97, worst["throughput_ratio"], source,
+                  f"lowest at C = {worst['concurrency']}; all: "
+                  + ", ".join(f"{r['concurrency']}: {r['throughput_ratio']:.3f}" for r in ratios))]
+
+
+SECTIONS: list[tuple[str, str, Callable[[dict | None], list[Check]]]] = [
+    ("Offline acceptance", "offline", offline_checks),
+    ("Single stream", "peers", peers_checks),
+    ("Under load (mixed workload)", "online", load_checks),
+    ("Never a loss", "online", lambda r: never_a_loss(r, "online.json")),
+    ("Never a loss", "online-hostile", lambda r: never_a_loss(r, "online-hostile.json")),
+]
+
+
+def run(results: str | Path) -> dict:
+    results = Path(results)
+    checks = [c for _, name, fn in SECTIONS for c in fn(_load(results, name))]
+    sources = {name: (_load(results, name) or {}).get("date") for _, name, _ in SECTIONS}
+    payload = {"benchmark": "targets", "results": str(results), "sources": sources,
+               "checks": [{**asdict(c), "status": c.status} for c in checks]}
+    md = ["# Benchmark targets (issue [B]) against the committed results\n\n",
+          "Read from the JSON files next to this one by `dspark bench targets`; each ratio comes from one run of "
+          "one benchmark command, configurations side by side. Source dates: "
+          + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
+          report.table(["target", "bar", "measured", "status", "source", "detail"],
+                       [[c.target, f"≥ {c.bar}", _f(c.value), c.status, c.source, c.detail] for c in checks])]
+    report.write(results, "targets", payload, "".join(md))
+    print("".join(md))
+    return payload
+
+
+def _f(v: float | None) -> str:
+    return "–" if v is None else f"{v:.3f}"

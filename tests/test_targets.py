@@ -1,0 +1,54 @@
+"""`dspark bench targets` on hand-made result files: every bar is read from the right rows,
+met and missed are told apart, and a missing file leaves its targets "not measured"."""
+
+from __future__ import annotations
+
+import json
+
+from dspark.bench import targets
+
+
+def online_rows(spec_scale: float) -> list[dict]:
+    rows = []
+    for c, base in ((1, 100.0), (8, 400.0)):
+        for config, scale in (("none", 1.0), ("mtp:static:1", 0.6), ("dspark:static:7", 0.5),
+                              ("dspark:dspark", spec_scale)):
+            speed = base / c * scale
+            rows.append({"config": config, "concurrency": c, "throughput_tok_s": base * scale,
+                         "per_user_tok_s_mean": speed})
+    return rows
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    ref = {r["concurrency"]: r for r in rows if r["config"] == "none"}
+    return [{"config": r["config"], "concurrency": r["concurrency"],
+             "throughput_ratio": r["throughput_tok_s"] / ref[r["concurrency"]]["throughput_tok_s"]}
+            for r in rows if r["config"] != "none"]
+
+
+def write(tmp_path, name: str, payload: dict) -> None:
+    (tmp_path / f"{name}.json").write_text(json.dumps({"date": "today", **payload}))
+
+
+def by_target(payload: dict) -> dict[str, dict]:
+    return {c["target"]: c for c in payload["checks"]}
+
+
+def test_targets_read_the_right_rows(tmp_path):
+    offline = [{"drafter": d, "temperature": 1.0, "domain": dom, "tau": tau}
+               for d, tau in (("dspark", 2.6), ("eagle3", 2.0), ("dflash", 2.4)) for dom in ("math", "chat")]
+    write(tmp_path, "offline", {"rows": offline})
+    rows = online_rows(1.2)
+    write(tmp_path, "online", {"rows": rows, "ratios": ratios(rows)})
+    hostile = online_rows(0.96)
+    write(tmp_path, "online-hostile", {"rows": hostile, "ratios": ratios(hostile)})
+    got = by_target(targets.run(tmp_path))
+    assert got["offline τ (T = 1, γ = 7, domain macro): dspark / eagle3"]["status"] == "met"  # 1.3
+    assert got["offline τ (T = 1, γ = 7, domain macro): dspark / dflash"]["status"] == "missed"  # 1.083
+    assert got["C = 8: dspark:dspark aggregate / best static:k"]["value"] == 1.2 / 0.6
+    assert got["matched aggregate throughput: dspark:dspark per-user / mtp:static:1"]["status"] == "met"
+    assert got["never a loss (online.json): dspark:dspark / none, every C"]["status"] == "met"
+    hostile_check = got["never a loss (online-hostile.json): dspark:dspark / none, every C"]
+    assert hostile_check["status"] == "missed" and abs(hostile_check["value"] - 0.96) < 1e-9
+    assert all(c["status"] == "not measured" for t, c in got.items() if t.startswith("single stream"))
+    assert (tmp_path / "targets.md").read_text().count("| missed |") == 2

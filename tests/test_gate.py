@@ -60,3 +60,41 @@ def test_a_new_batch_shape_is_judged_afresh():
     assert gate.should_draft(1, 0, [GAMMA])  # verifying is free at batch 1 (memory-bound)
     assert not gate.should_draft(64, 0, [GAMMA] * 64)  # compute-bound: extra tokens cost their full price
     assert gate.should_draft(1, 0, [GAMMA])
+
+
+def test_a_one_request_profile_is_constant_past_its_point():
+    """A profile measured by a one-request engine (e.g. `bench peers`) has a one-point request
+    grid; reading it at 16 requests must not divide by zero inside the engine loop."""
+    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.01, 0.02], requests=[1], draft_s=[0.005])
+    assert prof.draft(16) == 0.005 and prof.cost(16, 32) > 0
+    gate = Gate(GateConfig(), stats(accept=False), prof)
+    gate.should_draft(16, 0, [GAMMA] * 16)
+
+
+def test_profile_key_separates_engine_shapes():
+    from dspark.spec.profile import profile_key
+
+    one = profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
+    assert one != profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 64)
+    assert one == profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
+
+
+def test_a_prefill_step_that_pays_does_not_restart_probing():
+    """With a long prefill in the batch the forward is slow anyway and a few draft tokens pay;
+    that says nothing about decoding alone, so the probe backoff keeps its interval."""
+    prof = StepProfile("test", tokens=[1, 1001], verify_s=[0.011, 1.011], requests=[1, 8], draft_s=[0.02, 0.02])
+    gate = Gate(GateConfig(probe_every=2, probe_max=64), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
+    for _ in range(20):
+        gate.should_draft(1, 0, [GAMMA])
+    grown = gate.interval
+    assert grown > 2
+    assert gate.should_draft(1, 1000, [GAMMA]) and not gate.probing
+    assert gate.interval == grown
+
+
+def test_a_probe_drafts_for_a_rotating_few():
+    gate = Gate(GateConfig(probe_requests=2), stats(accept=False), profile(draft_s=0.05))
+    decode = list("abcde")
+    assert gate.probe_subset(decode, 0) == ["a", "b"]
+    assert gate.probe_subset(decode, 4) == ["e", "a"]
+    assert gate.probe_subset(decode[:2], 7) == ["a", "b"]

@@ -38,3 +38,15 @@ def test_shipped_target_is_the_default_and_in_spec():
     assert 5e6 <= sum(p.numel() for p in net.parameters()) <= 15e6
     assert cfg.vocab_size == 8192 and tok.token_id("<|mask|>") is not None
     assert tok.token_id("<|im_end|>") in tok.eos_token_ids
+
+
+def test_a_policy_without_a_drafter_uses_the_shipped_drafter(qwen3_dir):
+    import pytest
+
+    from dspark.engine.factory import build_engine
+
+    engine = build_engine(None, policy="static:3", profile="off")
+    assert engine.drafter is not None and engine.drafter.config.kind == "dspark"
+    assert build_engine(None, policy="none").drafter is None
+    with pytest.raises(ValueError, match="needs a drafter"):  # a model with no shipped drafter
+        build_engine(str(qwen3_dir), policy="static:3", profile="off")

@@ -105,3 +105,25 @@ def test_logprobs_under_speculation_match_plain(qwen3_dir):
     for a, b in zip(plain, spec, strict=True):
         assert [x["token_id"] for x in a.logprobs] == [x["token_id"] for x in b.logprobs]
         assert all(abs(x["logprob"] - y["logprob"]) < 1e-4 for x, y in zip(a.logprobs, b.logprobs, strict=True))
+
+
+def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, reference):
+    """Drafting never pays under this profile, so every drafted step is a probe, and a probe
+    drafts for one request of the batch; the output is still plain greedy decoding."""
+    from dspark.spec.profile import StepProfile
+    from dspark.spec.round import GateConfig
+
+    net, tok = load_model(qwen3_dir)
+    drafter = new_drafter(new_config("ngram", net.config, tok.token_id("<|mask|>") or 0))
+    cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
+    engine = LLMEngine(net, tok, cfg, drafter=drafter, policy="dspark",
+                       gate=GateConfig(probe_every=1, probe_max=2, probe_requests=1))
+    engine.runner.set_profile(StepProfile("never", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 64],
+                                          draft_s=[10.0, 10.0]))
+    sizes = []
+    propose = engine.runner._propose
+    engine.runner._propose = lambda decode: (sizes.append(len(decode)), propose(decode))[1]
+    outs = run(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert sizes and max(sizes) == 1 and engine.runner.drafted_steps == len(sizes)
+    assert engine.runner.drafted_steps < engine.runner.steps

@@ -55,7 +55,7 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     engine = LLMEngine(net, tok, cfg, drafter=d, policy=policy, gate=gate)
     if d is not None and engine.policy.needs_cost and profile != "off":
         key = profile_key(str(path), f"{drafter}:{d.config.gamma}", cfg.device, cfg.dtype, d.config.gamma,
-                          cfg.max_num_batched_tokens)
+                          cfg.max_num_batched_tokens, cfg.max_num_seqs)
         prof = None if profile == "refresh" else load_cached(key)
         if prof is None:
             prof = measure.measure(engine, key)

@@ -24,8 +24,9 @@ CACHE_DIR = Path("~/.cache/dspark/profiles").expanduser()
 
 
 def interp(xs: list[int], ys: list[float], x: float) -> float:
-    """Piecewise-linear interpolation, linear extrapolation past the last point."""
-    if x <= xs[0]:
+    """Piecewise-linear interpolation, linear extrapolation past the last point (a one-point
+    grid, e.g. a profile measured for one request at a time, is constant)."""
+    if x <= xs[0] or len(xs) == 1:
         return ys[0]
     i = bisect.bisect_left(xs, x)
     if i == len(xs):
@@ -89,8 +90,11 @@ class StepProfile:
         return cls(**raw)
 
 
-def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int) -> str:
-    raw = f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{torch.get_num_threads()}|{torch.__version__}"
+def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int) -> str:
+    """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
+    request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
+    raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
+           f"{torch.__version__}")
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

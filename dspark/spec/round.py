@@ -37,12 +37,15 @@ class GateConfig:
     probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
     probe_max: int = 256  # a probe costs about two plain steps: <1% of steps once the gate has settled
     recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
+    probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
 
 
 class Gate:
     """Predicts whether drafting pays this step, from history only (lossless).
 
-    The verdict depends on the batch shape, the acceptance estimates and the profile; it is
+    A step that shares the batch with prefill chunks can pay where decoding alone does not (the
+    chunks already make the forward slow); such a verdict drafts but does not restart the probe
+    schedule. The verdict depends on the batch shape, the acceptance estimates and the profile; it is
     cached until one of the first two changes or `recheck_every` steps pass, so a closed gate
     costs a dictionary lookup per step rather than a walk of Algorithm 1.
     """
@@ -58,7 +61,8 @@ class Gate:
         if not self.cfg.enabled or self.profile is None:
             return True
         if self.pays(num_requests, other_tokens, caps):
-            self.interval = self.cfg.probe_every
+            if other_tokens == 0:  # decoding alone pays: after the next close, probe soon again
+                self.interval = self.cfg.probe_every
             return True
         self.wait += 1
         if self.wait >= self.interval:  # probe: refresh the acceptance estimates
@@ -66,6 +70,14 @@ class Gate:
             self.probing = True
             return True
         return False
+
+    def probe_subset(self, decode: Sequence, step: int) -> list:
+        """The requests a probe drafts for: a window of `probe_requests`, rotating with the step,
+        so a probe at 64 requests costs a draft for two, not for 64."""
+        k = self.cfg.probe_requests
+        if len(decode) <= k:
+            return list(decode)
+        return [decode[(step + i) % len(decode)] for i in range(k)]
 
     def pays(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
         key = (num_requests, other_tokens, tuple(caps), self.stats.version)
@@ -122,6 +134,9 @@ class SpecRunner:
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
         if drafting and self.gate is not None:
             drafting = self.gate.should_draft(len(decode), other_tokens, caps)
+            if drafting and self.gate.probing:
+                decode = self.gate.probe_subset(decode, self.steps)
+                caps = [s.num_lookahead for s in decode]
         if not drafting:
             decode = []  # every request takes the plain path; the drafter is not called
         plain = [s for s in scheduled if not any(s is d for d in decode)]

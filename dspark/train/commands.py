@@ -21,6 +21,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     c.add_argument("--stdlib", default="")
     c.add_argument("--max-response-chars", type=int, default=2400, help="clip chat answers (paragraph boundary)")
     c.add_argument("--max-function-lines", type=int, default=60, help="leave out longer functions as code tasks")
+    c.add_argument("--no-raw-code", action="store_true", help="code: only the chat-form function tasks, no raw files")
     c.add_argument("--out", default="~/.cache/dspark/corpus")
     c.set_defaults(func=run_corpus)
     t = sub.add_parser("tokenizer", help="train the byte-level BPE and tokenise the corpus")
@@ -66,7 +67,8 @@ def run_corpus(args: argparse.Namespace) -> int:
     from dspark.train.corpus import CorpusConfig, build
 
     cfg = CorpusConfig(**{k: v for k, v in {"gsm8k": args.gsm8k, "docs": args.docs}.items() if v}, stdlib=args.stdlib,
-                       max_response_chars=args.max_response_chars, max_function_lines=args.max_function_lines)
+                       max_response_chars=args.max_response_chars, max_function_lines=args.max_function_lines,
+                       raw_code=not args.no_raw_code)
     print(json.dumps(build(cfg, args.out), indent=2))
     return 0
 

@@ -42,6 +42,7 @@ class CorpusConfig:
     seed: int = 0
     max_response_chars: int = 2400  # chat answers are clipped at a paragraph boundary
     max_function_lines: int = 60  # code tasks: longer functions are left out
+    raw_code: bool = True  # also the raw source files (False: only the chat-form function tasks)
 
 
 def chat_text(prompt: str, response: str | None = None) -> str:
@@ -109,7 +110,8 @@ def code_records(cfg: CorpusConfig) -> Iterator[dict]:
         except (UnicodeDecodeError, OSError):
             continue
         key = path.name + str(len(source))
-        yield {"domain": "code", "key": key, "text": source}
+        if cfg.raw_code:
+            yield {"domain": "code", "key": key, "text": source}
         for prompt, response in function_tasks(source, cfg.max_function_lines):
             yield {"domain": "code", "key": key, "prompt": prompt, "response": response}
 

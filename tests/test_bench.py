@@ -254,3 +254,17 @@ def test_closed_loop_keeps_clients_busy_and_cleans_up(qwen3_dir):
     assert engine.kv.pool.num_used_blocks == 0 and not engine.requests and not engine.has_unfinished()
     with pytest.raises(ValueError):
         closed_loop(engine, jobs, 1, params)
+
+
+def test_repeated_runs_merge_into_one_row():
+    from dspark.bench.online import merge_runs
+
+    runs = [{"config": "none", "concurrency": 4, "throughput_tok_s": 100.0, "completion_tokens": 500, "steps": 120,
+             "peak_kv_blocks": 10, "ttft_mean_s": 0.02, "acceptance_rate": None},
+            {"config": "none", "concurrency": 4, "throughput_tok_s": 120.0, "completion_tokens": 600, "steps": 130,
+             "peak_kv_blocks": 12, "ttft_mean_s": 0.04, "acceptance_rate": None}]
+    row = merge_runs(runs)
+    assert row["throughput_tok_s"] == 110.0 and row["throughput_runs"] == [100.0, 120.0] and row["repeats"] == 2
+    assert row["completion_tokens"] == 1100 and row["steps"] == 250 and row["peak_kv_blocks"] == 12
+    assert abs(row["ttft_mean_s"] - 0.03) < 1e-12 and row["acceptance_rate"] is None and row["config"] == "none"
+    assert merge_runs(runs[:1])["throughput_runs"] == [100.0]

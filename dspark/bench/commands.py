@@ -66,6 +66,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--concurrency", type=_ints, default=None, help="default 1,2,4,8,16,32,64")
     n.add_argument("--requests-per-client", type=int, default=None, help="default 4")
     n.add_argument("--duration", type=float, default=None, help="send for this many seconds instead")
+    n.add_argument("--repeats", type=int, default=None, help="runs per config and concurrency, rotating order (default 1)")
     n.add_argument("--workload", choices=["mixed", "hostile"], default="mixed")
     n.add_argument("--datasets", type=_names, default=None)
     n.add_argument("--prompts", default=None, help="a JSONL prompts file instead of the shipped sets")
@@ -131,7 +132,7 @@ def run_online(args: argparse.Namespace) -> int:
         fields = dict(concurrency=(1, 4), requests_per_client=2, num_prompts=4, max_tokens=16,
                       configs=online.quick_configs(args.model) if not args.url else online.CONFIGS)
     fields.update(_given(args, model="model", device="device", configs="configs", requests_per_client="requests_per_client",
-                         duration_s="duration", prompts_file="prompts", num_prompts="num_prompts",
+                         duration_s="duration", repeats="repeats", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", url="url"))
     fields.update(workload=args.workload, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
                   profile=args.profile)

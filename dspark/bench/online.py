@@ -52,6 +52,7 @@ class OnlineSettings:
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     requests_per_client: int | None = 4
     duration_s: float | None = None  # instead of requests_per_client: send until this many seconds
+    repeats: int = 1  # runs per configuration and concurrency (rotating order), merged into one row
     workload: str = "mixed"  # mixed | hostile
     datasets: tuple[str, ...] = DATASETS
     prompts_file: str | None = None
@@ -119,6 +120,26 @@ def measure_one(s: OnlineSettings, sp: Spec, engine, c: int, jobs: list[Job], pa
         "drafted_step_fraction": drafted if engine.drafter else None})
 
 
+COUNTS = ("requests", "completion_tokens", "verified_tokens", "accepted_tokens", "steps")
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    """One row from repeated runs of a configuration at one concurrency: counts summed, peaks
+    maximal, rates averaged, and every run's throughput kept (`throughput_runs`) to show spread."""
+    if len(runs) == 1:
+        return {**runs[0], "repeats": 1, "throughput_runs": [runs[0]["throughput_tok_s"]]}
+    row = dict(runs[0])
+    for key, value in runs[0].items():
+        values = [r[key] for r in runs]
+        if key in COUNTS:
+            row[key] = sum(values)
+        elif key.startswith("peak_") and all(v is not None for v in values):
+            row[key] = max(values)
+        elif isinstance(value, float) and all(isinstance(v, int | float) for v in values):
+            row[key] = sum(values) / len(values)
+    return {**row, "repeats": len(runs), "throughput_runs": [r["throughput_tok_s"] for r in runs]}
+
+
 def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict], list[str]]:
     from dspark.engine.factory import build_engine
     from dspark.sampling import SamplingParams
@@ -146,10 +167,13 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict
     rows = []
     labels = list(engines)
     for level, c in enumerate(tqdm(s.concurrency, desc="concurrency", disable=None)):
-        shift = level % len(labels) if labels else 0
-        for label in labels[shift:] + labels[:shift]:  # order rotates, so drift hits every config alike
-            sp, engine = engines[label]
-            rows.append(measure_one(s, sp, engine, c, jobs, params))
+        runs: dict[str, list[dict]] = {label: [] for label in labels}
+        for rep in range(s.repeats):
+            shift = (level + rep) % len(labels) if labels else 0
+            for label in labels[shift:] + labels[:shift]:  # order rotates, so drift hits every config alike
+                sp, engine = engines[label]
+                runs[label].append(measure_one(s, sp, engine, c, jobs, params))
+        rows += [merge_runs(r) for r in runs.values()]
     order = {label: i for i, label in enumerate(labels)}
     rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
     return rows, skipped
@@ -216,6 +240,9 @@ def _cell(entry: dict, config: str) -> str:
 
 def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list[str], suffix: str = "") -> str:
     load = f"{s.requests_per_client} requests per client" if s.duration_s is None else f"{s.duration_s} s of sending"
+    if s.repeats > 1:
+        load += (f", {s.repeats} runs per configuration and concurrency in rotating order (a row merges them: rates "
+                 "averaged, counts summed; tok/s of each run in the last column)")
     md = [f"# Online closed-loop serving: model `{path.name}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
@@ -226,11 +253,12 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
     if skipped:
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")
     head = ["config", "C", "tok/s", "per-user mean", "per-user p50", "TTFT mean s", "TTFT p50 s", "budget", "τ",
-            "accept rate", "peak RSS MiB", "peak KV blocks (MiB)", "drafter cache MiB"]
+            "accept rate", "peak RSS MiB", "peak KV blocks (MiB)", "drafter cache MiB", "tok/s per run"]
     table = [[r["config"], r["concurrency"], _f(r["throughput_tok_s"]), _f(r["per_user_tok_s_mean"]),
               _f(r["per_user_tok_s_p50"]), _f(r["ttft_mean_s"]), _f(r["ttft_p50_s"]), _f(r["budget"]), _f(r["tau"]),
               _f(r["acceptance_rate"]), _f(r["peak_rss_mib"]),
-              _kv(r), _f(r["peak_drafter_cache_mib"])] for r in rows]
+              _kv(r), _f(r["peak_drafter_cache_mib"]),
+              " / ".join("–" if t is None else f"{t:.0f}" for t in r.get("throughput_runs", [r["throughput_tok_s"]]))] for r in rows]
     md += ["\n## Per configuration and concurrency\n\n", report.table(head, table)]
     ref = summary["reference"]
     if ratios:

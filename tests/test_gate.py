@@ -98,3 +98,19 @@ def test_a_probe_drafts_for_a_rotating_few():
     assert gate.probe_subset(decode, 0) == ["a", "b"]
     assert gate.probe_subset(decode, 4) == ["e", "a"]
     assert gate.probe_subset(decode[:2], 7) == ["a", "b"]
+
+
+def test_a_closed_gate_withholds_draft_slots_between_probes():
+    """The engine loop: slots are reserved only when the gate may draft (open, or a probe due);
+    the probe cadence is the same as when every step had slots."""
+    gate = Gate(GateConfig(probe_every=2, probe_max=8), stats(accept=False), profile(draft_s=0.05))
+    drafted, with_slots = [], []
+    for i in range(40):
+        if gate.wants_slots():
+            with_slots.append(i)
+            if gate.should_draft(1, 0, [GAMMA]):
+                drafted.append(i)
+        else:
+            gate.withheld(1, 0, GAMMA)
+    assert drafted == [1, 5, 13, 21, 29, 37]
+    assert with_slots == [0, *drafted]  # the first step (no verdict yet), then only the probes

@@ -120,10 +120,13 @@ def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, referenc
                        gate=GateConfig(probe_every=1, probe_max=2, probe_requests=1))
     engine.runner.set_profile(StepProfile("never", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 64],
                                           draft_s=[10.0, 10.0]))
-    sizes = []
+    sizes, slots = [], []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda lookahead=None: (slots.append(lookahead), schedule(lookahead))[1]
     propose = engine.runner._propose
     engine.runner._propose = lambda decode: (sizes.append(len(decode)), propose(decode))[1]
     outs = run(engine)
     assert [o.token_ids for o in outs] == reference
     assert sizes and max(sizes) == 1 and engine.runner.drafted_steps == len(sizes)
     assert engine.runner.drafted_steps < engine.runner.steps
+    assert 0 in slots  # a closed gate withholds the draft slots between its probes

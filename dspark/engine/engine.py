@@ -124,7 +124,7 @@ class LLMEngine:
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One engine step; returns the requests that emitted tokens or finished."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self.runner.lookahead())
         for req in plan.preempted:
             self.runner.release(req.request_id)
         if not plan.scheduled:

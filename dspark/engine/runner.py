@@ -69,6 +69,10 @@ class ModelRunner:
         out = self.model(batch.input_ids, batch.meta, self.kv.layers, batch.logits_indices, taps)
         return batch, out
 
+    def lookahead(self) -> int | None:
+        """Draft slots to reserve next step: None keeps the scheduler's default (0 here)."""
+        return None
+
     def release(self, seq_id: str) -> None:
         """A request finished or was preempted; plain decoding keeps no extra state."""
 

@@ -62,10 +62,7 @@ class Gate:
         self.probing = False
         if not self.cfg.enabled or self.profile is None:
             return True
-        self.open = self.pays(num_requests, other_tokens, caps)
-        if self.open:
-            if other_tokens == 0:  # decoding alone pays: after the next close, probe soon again
-                self.interval = self.cfg.probe_every
+        if self.judge(num_requests, other_tokens, caps):
             return True
         self.wait += 1
         if self.wait >= self.interval:  # probe: refresh the acceptance estimates
@@ -80,14 +77,21 @@ class Gate:
         self.probing = False
         if not self.cfg.enabled or self.profile is None:
             return
-        self.open = self.pays(num_requests, other_tokens, [gamma] * num_requests)
-        if not self.open:
+        if not self.judge(num_requests, other_tokens, [gamma] * num_requests):
             self.wait += 1
+
+    def judge(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+        """The verdict for this shape, remembered as `open`. When decoding alone pays, the probe
+        backoff restarts, so that after the next close the gate probes soon again."""
+        self.open = self.pays(num_requests, other_tokens, caps)
+        if self.open and other_tokens == 0:
+            self.interval = self.cfg.probe_every
+        return self.open
 
     def wants_slots(self) -> bool:
         """Whether the next step should reserve draft slots (KV and token budget). A closed gate
-        withholds them: reserving and rolling back γ slots per request every step scatters the
-        KV blocks and costs plain decoding ~10% at 16 requests on the 2-core CPU."""
+        withholds them: reserving and rolling back γ slots per request on every step slowed plain
+        decoding at 16 requests (`docs/results/hostile-c16*`)."""
         return not self.cfg.enabled or self.profile is None or self.open or self.wait + 1 >= self.interval
 
     def probe_subset(self, decode: Sequence, step: int) -> list:

@@ -4,8 +4,11 @@ follows new acceptance statistics at once and a drifting profile within `recheck
 
 from __future__ import annotations
 
+import torch
+
 from dspark.spec.profile import StepProfile
 from dspark.spec.round import Gate, GateConfig
+from dspark.spec.schedule import algorithm1, candidates
 from dspark.spec.stats import AcceptanceStats
 
 GAMMA = 4
@@ -25,41 +28,41 @@ def stats(accept: bool, rounds: int = 200) -> AcceptanceStats:
 
 def test_closed_gate_probes_at_doubling_intervals():
     gate = Gate(GateConfig(probe_every=2, probe_max=8), stats(accept=False), profile(draft_s=0.05))
-    calls = [(gate.should_draft(1, 0, [GAMMA]), gate.probing) for _ in range(40)]
+    calls = [(gate.should_draft(1, [GAMMA]), gate.probing) for _ in range(40)]
     assert [i for i, (d, _) in enumerate(calls) if d] == [1, 5, 13, 21, 29, 37]  # waits 2, 4, 8, 8 (the cap)
     assert all(d == p for d, p in calls)  # every opening is a probe
 
 
 def test_open_gate_drafts_every_step():
     gate = Gate(GateConfig(), stats(accept=True), profile(draft_s=0.001))
-    assert all(gate.should_draft(4, 0, [GAMMA] * 4) for _ in range(50))
+    assert all(gate.should_draft(4, [GAMMA] * 4) for _ in range(50))
     assert not gate.probing
 
 
 def test_verdict_follows_new_acceptance_immediately():
     s = stats(accept=False)
     gate = Gate(GateConfig(probe_every=1000), s, profile(draft_s=0.001))
-    assert not gate.should_draft(1, 0, [GAMMA])
+    assert not gate.should_draft(1, [GAMMA])
     for _ in range(400):
         s.update([GAMMA], [GAMMA])
-    assert gate.should_draft(1, 0, [GAMMA])
+    assert gate.should_draft(1, [GAMMA])
 
 
 def test_verdict_follows_a_drifting_profile_within_recheck_every():
     prof = profile(draft_s=0.05)
     gate = Gate(GateConfig(probe_every=1000, recheck_every=4), stats(accept=True), prof)
-    assert not gate.should_draft(1, 0, [GAMMA])
+    assert not gate.should_draft(1, [GAMMA])
     prof.draft_s = [0.001, 0.001]  # e.g. the online correction found drafting cheaper
-    verdicts = [gate.should_draft(1, 0, [GAMMA]) for _ in range(4)]
+    verdicts = [gate.should_draft(1, [GAMMA]) for _ in range(4)]
     assert verdicts[-1] and not verdicts[0]
 
 
 def test_a_new_batch_shape_is_judged_afresh():
     prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.01, 0.16], requests=[1, 64], draft_s=[0.001] * 2)
     gate = Gate(GateConfig(probe_every=1000), stats(accept=True), prof)
-    assert gate.should_draft(1, 0, [GAMMA])  # verifying is free at batch 1 (memory-bound)
-    assert not gate.should_draft(64, 0, [GAMMA] * 64)  # compute-bound: extra tokens cost their full price
-    assert gate.should_draft(1, 0, [GAMMA])
+    assert gate.should_draft(1, [GAMMA])  # verifying is free at batch 1 (memory-bound)
+    assert not gate.should_draft(64, [GAMMA] * 64)  # compute-bound: extra tokens cost their full price
+    assert gate.should_draft(1, [GAMMA])
 
 
 def test_a_one_request_profile_is_constant_past_its_point():
@@ -68,7 +71,7 @@ def test_a_one_request_profile_is_constant_past_its_point():
     prof = StepProfile("test", tokens=[1, 8], verify_s=[0.01, 0.02], requests=[1], draft_s=[0.005])
     assert prof.draft(16) == 0.005 and prof.cost(16, 32) > 0
     gate = Gate(GateConfig(), stats(accept=False), prof)
-    gate.should_draft(16, 0, [GAMMA] * 16)
+    gate.should_draft(16, [GAMMA] * 16)
 
 
 def test_profile_key_separates_engine_shapes():
@@ -79,16 +82,20 @@ def test_profile_key_separates_engine_shapes():
     assert one == profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
 
 
-def test_a_prefill_step_that_pays_does_not_restart_probing():
-    """With a long prefill in the batch the forward is slow anyway and a few draft tokens pay;
-    that says nothing about decoding alone, so the probe backoff keeps its interval."""
+def test_a_prefill_step_does_not_open_a_closed_gate():
+    """With a long prefill in the batch the forward is slow anyway and a few draft tokens look
+    free; the gate still judges decoding alone (opening would draft for every request, each
+    catching up its pending context), so it stays closed and the probe backoff keeps growing."""
     prof = StepProfile("test", tokens=[1, 1001], verify_s=[0.011, 1.011], requests=[1, 8], draft_s=[0.02, 0.02])
     gate = Gate(GateConfig(probe_every=2, probe_max=64), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
     for _ in range(20):
-        gate.should_draft(1, 0, [GAMMA])
+        gate.should_draft(1, [GAMMA])
     grown = gate.interval
     assert grown > 2
-    assert gate.should_draft(1, 1000, [GAMMA]) and not gate.probing
+    cands = candidates(torch.tensor([gate.stats.conditional()]), [GAMMA])
+    assert algorithm1(cands, 1, 1000, prof.cost) > 0  # with the prefill counted, drafting would look free
+    gate.wait = 0
+    assert not gate.should_draft(1, [GAMMA]) and not gate.probing
     assert gate.interval == grown
 
 
@@ -108,9 +115,9 @@ def test_a_closed_gate_withholds_draft_slots_between_probes():
     for i in range(40):
         if gate.wants_slots():
             with_slots.append(i)
-            if gate.should_draft(1, 0, [GAMMA]):
+            if gate.should_draft(1, [GAMMA]):
                 drafted.append(i)
         else:
-            gate.withheld(1, 0, GAMMA)
+            gate.withheld(1, GAMMA)
     assert drafted == [1, 5, 13, 21, 29, 37]
     assert with_slots == [0, *drafted]  # the first step (no verdict yet), then only the probes

@@ -41,13 +41,17 @@ class GateConfig:
 
 
 class Gate:
-    """Predicts whether drafting pays this step, from history only (lossless).
+    """Predicts whether drafting pays, from history only (lossless).
 
-    A step that shares the batch with prefill chunks can pay where decoding alone does not (the
-    chunks already make the forward slow); such a verdict drafts but does not restart the probe
-    schedule. The verdict depends on the batch shape, the acceptance estimates and the profile; it is
-    cached until one of the first two changes or `recheck_every` steps pass, so a closed gate
-    costs a dictionary lookup per step rather than a walk of Algorithm 1.
+    The gate judges the *decode-alone* shape (the decoding requests, no prefill chunks). A step
+    that shares its forward with prefill chunks looks as if a few draft tokens were free (the
+    chunks make the forward slow anyway), but opening there drafts for every request after a
+    closed spell, each first catching up its whole pending context, a cost the profile's draft
+    time (measured with the context already written) does not hold; on hostile traffic that made
+    a closed gate cost 5-10% (`docs/results/online-hostile*`). Once open, Algorithm 1 still sizes
+    the budget with the prefill tokens counted. The verdict depends on the number of requests, the
+    acceptance estimates and the profile; it is cached until one of the first two changes or
+    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step.
     """
 
     def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
@@ -57,12 +61,12 @@ class Gate:
         self.open = True  # the last verdict (slots are reserved for the first step)
         self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
 
-    def should_draft(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+    def should_draft(self, num_requests: int, caps: Sequence[int]) -> bool:
         """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not."""
         self.probing = False
         if not self.cfg.enabled or self.profile is None:
             return True
-        if self.judge(num_requests, other_tokens, caps):
+        if self.judge(num_requests, caps):
             return True
         self.wait += 1
         if self.wait >= self.interval:  # probe: refresh the acceptance estimates
@@ -71,20 +75,20 @@ class Gate:
             return True
         return False
 
-    def withheld(self, num_requests: int, other_tokens: int, gamma: int) -> None:
+    def withheld(self, num_requests: int, gamma: int) -> None:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock
         and judge whether drafting would pay now, so that the next step reserves slots."""
         self.probing = False
         if not self.cfg.enabled or self.profile is None:
             return
-        if not self.judge(num_requests, other_tokens, [gamma] * num_requests):
+        if not self.judge(num_requests, [gamma] * num_requests):
             self.wait += 1
 
-    def judge(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
-        """The verdict for this shape, remembered as `open`. When decoding alone pays, the probe
-        backoff restarts, so that after the next close the gate probes soon again."""
-        self.open = self.pays(num_requests, other_tokens, caps)
-        if self.open and other_tokens == 0:
+    def judge(self, num_requests: int, caps: Sequence[int]) -> bool:
+        """The verdict for decoding these requests alone, remembered as `open`. When it pays, the
+        probe backoff restarts, so that after the next close the gate probes soon again."""
+        self.open = self.pays(num_requests, caps)
+        if self.open:
             self.interval = self.cfg.probe_every
         return self.open
 
@@ -102,24 +106,24 @@ class Gate:
             return list(decode)
         return [decode[(step + i) % len(decode)] for i in range(k)]
 
-    def pays(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
-        key = (num_requests, other_tokens, tuple(caps), self.stats.version)
+    def pays(self, num_requests: int, caps: Sequence[int]) -> bool:
+        key = (num_requests, tuple(caps), self.stats.version)
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
             return self.memo[2]
-        verdict = self.predict(num_requests, other_tokens, caps)
+        verdict = self.predict(num_requests, caps)
         self.memo = (key, 1, verdict)
         return verdict
 
-    def predict(self, num_requests: int, other_tokens: int, caps: Sequence[int]) -> bool:
+    def predict(self, num_requests: int, caps: Sequence[int]) -> bool:
         """Algorithm 1 on the running acceptance estimates: does its best budget beat plain?"""
         assert self.profile is not None
         conf = torch.tensor([self.stats.conditional()] * num_requests)
         cands = candidates(conf, caps)
-        admitted = algorithm1(cands, num_requests, other_tokens, self.profile.cost)
+        admitted = algorithm1(cands, num_requests, 0, self.profile.cost)
         gain = sum(c.survival for c in cands[:admitted])
-        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + other_tokens + admitted)
-        plain = num_requests / self.profile.verify(num_requests + other_tokens)
+        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + admitted)
+        plain = num_requests / self.profile.verify(num_requests)
         return spec > plain
 
 
@@ -160,9 +164,9 @@ class SpecRunner:
         other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
         if decode and not drafting and self.gate is not None:
-            self.gate.withheld(len(decode), other_tokens, self.gamma)
+            self.gate.withheld(len(decode), self.gamma)
         if drafting and self.gate is not None:
-            drafting = self.gate.should_draft(len(decode), other_tokens, caps)
+            drafting = self.gate.should_draft(len(decode), caps)
             if drafting and self.gate.probing:
                 decode = self.gate.probe_subset(decode, self.steps)
                 caps = [s.num_lookahead for s in decode]

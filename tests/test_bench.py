@@ -183,6 +183,31 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
     assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 
+def test_online_writes_each_finished_level_before_the_run_ends(qwen3_dir, tmp_path, monkeypatch):
+    """A long run that is stopped keeps the levels it finished: after each level but the last the
+    report is rewritten, marked incomplete; the final write is complete."""
+    seen = []
+    real = online.write
+
+    def spy(s, path, rows, skipped, out, complete):
+        seen.append((complete, sorted({r["concurrency"] for r in rows}), stamped_or_none(out)))
+        return real(s, path, rows, skipped, out, complete)
+
+    def stamped_or_none(out):
+        f = tmp_path / "online.json"
+        return json.loads(f.read_text())["complete"] if f.is_file() else None
+
+    monkeypatch.setattr(online, "write", spy)
+    s = online.OnlineSettings(model=str(qwen3_dir), configs="none", concurrency=(1, 2, 3), requests_per_client=1,
+                              datasets=("gsm8k",), num_prompts=2, max_tokens=4, ignore_eos=True, profile="off",
+                              device="cpu")
+    online.run(s, tmp_path)
+    assert [(c, levels) for c, levels, _ in seen] == [(False, [1]), (False, [1, 2]), (True, [1, 2, 3])]
+    assert [prev for _, _, prev in seen] == [None, False, False]  # each write found the previous partial one
+    assert stamped(tmp_path / "online.json")["complete"] is True
+    assert "Partial" not in (tmp_path / "online.md").read_text()
+
+
 def test_online_over_http_against_dspark_serve(qwen3_dir, tmp_path):
     pytest.importorskip("httpx")
     app_mod = pytest.importorskip("dspark.server.app")
@@ -214,6 +239,8 @@ def test_peers_falls_back_to_ngram_and_reports_ratios(qwen3_dir, tmp_path):
     assert names[3].startswith("dspark ngram:static:") and names[4] == "dspark ngram:dspark"
     for r in data["rows"]:
         assert r["tokens"] == 8 and r["tok_s"] > 0 and r["vs_transformers"] > 0 and 0 <= r["greedy_match_fraction"] <= 1
+        if r["system"].startswith("dspark"):
+            assert r["greedy_match_none_fraction"] == 1.0  # speculative greedy = plain greedy
     assert [(r["system"], r["domain"]) for r in data["domain_rows"]] == [(n, "math") for n in names]
     assert next(r for r in data["domain_rows"] if r["system"] == "dspark none")["vs_dspark_none"] == 1.0
     assert "Note:" in (tmp_path / "peers.md").read_text()

@@ -140,7 +140,22 @@ def merge_runs(runs: list[dict]) -> dict:
     return {**row, "repeats": len(runs), "throughput_runs": [r["throughput_tok_s"] for r in runs]}
 
 
-def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict], list[str]]:
+def warm_up(engine, jobs: list[Job], s: OnlineSettings, params) -> None:
+    """Untimed requests before any run. On a GPU, one full-length request per client at the
+    highest concurrency: the first pass through each batch shape and context length pays for
+    allocator growth and library set-up (a one-request GPU run without it measured `none` at
+    13 tok/s against 87 warm, `docs/results/gpu-h200/`). On a CPU a short pass suffices."""
+    if engine.model.device.type == "cuda":
+        c = max(s.concurrency)
+        closed_loop(engine, jobs, c, params, per_client=1)
+    else:
+        closed_loop(engine, jobs[:2], 2, lambda i: params(i, 8), per_client=1)
+
+
+def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
+              on_level=lambda rows, skipped: None) -> tuple[list[dict], list[str]]:
+    """Every configuration at every concurrency; `on_level(rows, skipped)` after each level (the
+    rows so far), so a run cut short still leaves the levels it finished."""
     from dspark.engine.factory import build_engine
     from dspark.sampling import SamplingParams
 
@@ -162,7 +177,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
         engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile)
-        closed_loop(engine, jobs[:2], 2, lambda i: params(i, 8), per_client=1)  # warm-up
+        warm_up(engine, jobs, s, params)
         engines[sp.label] = (sp, engine)
     rows = []
     labels = list(engines)
@@ -174,8 +189,10 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path) -> tuple[list[dict
                 sp, engine = engines[label]
                 runs[label].append(measure_one(s, sp, engine, c, jobs, params))
         rows += [merge_runs(r) for r in runs.values()]
-    order = {label: i for i, label in enumerate(labels)}
-    rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
+        order = {label: i for i, label in enumerate(labels)}
+        rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
+        if level + 1 < len(s.concurrency):
+            on_level(rows, skipped)
     return rows, skipped
 
 
@@ -199,12 +216,24 @@ def run_http(s: OnlineSettings, jobs: list[Job]) -> list[dict]:
 
 
 def run(s: OnlineSettings, out: str | Path) -> dict:
+    """Run the benchmark and write its report; while it runs, the report is rewritten after every
+    concurrency level (`"complete": false`), so a run that is stopped keeps what it measured."""
     from dspark.models.loader import read_config, resolve_model_path
     from dspark.models.tokenizer import TextTokenizer
 
     path = resolve_model_path(s.model)
     jobs = jobs_for(s, TextTokenizer.from_dir(path), read_config(path).max_position_embeddings)
-    rows, skipped = (run_http(s, jobs), []) if s.url else run_local(s, jobs, path)
+    if s.url:
+        rows, skipped = run_http(s, jobs), []
+    else:
+        rows, skipped = run_local(s, jobs, path, lambda done, sk: write(s, path, done, sk, out, complete=False))
+    payload, md = write(s, path, rows, skipped, out, complete=True)
+    print(md)
+    return payload
+
+
+def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], out: str | Path,
+          complete: bool) -> tuple[dict, str]:
     configs = list(dict.fromkeys(r["config"] for r in rows))
     reference = "none" if "none" in configs else (configs[0] if configs else "none")
     summary = frontier.summarize(rows, reference, s.slas)
@@ -215,12 +244,14 @@ def run(s: OnlineSettings, out: str | Path) -> dict:
     if rows:
         plots.frontier(rows, out / f"frontier{suffix}.png", f"{path.name}, {s.workload} workload")
         plots.budget(rows, out / f"budget{suffix}.png")
-    payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "reference": reference,
-               "skipped_configs": skipped, "rows": rows, "ratios": ratios, "frontier": summary}
+    payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "complete": complete,
+               "reference": reference, "skipped_configs": skipped, "rows": rows, "ratios": ratios,
+               "frontier": summary}
     md = markdown(rows, ratios, summary, s, path, skipped, suffix)
+    if not complete:
+        md = "**Partial: the run was still going (or was stopped) after these levels.**\n\n" + md
     report.write(out, f"online{suffix}", payload, md)
-    print(md)
-    return payload
+    return payload, md
 
 
 def _f(v):

@@ -11,7 +11,8 @@ plainly (`none`), this engine with the model's default drafter verifying its who
 when no drafter is shipped for the model, `ngram` stands in and the report says so). Runs
 alternate prompt by prompt, the order rotating, so drift hits every system alike; results
 are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
-system's greedy tokens match transformers' (a sanity check, not a speed claim).
+system's greedy tokens match transformers' (a sanity check: in bf16 two implementations can
+round differently and part ways) and this engine's plain decoding (the lossless check).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     same = dict.fromkeys(names, 0)
+    same_plain = dict.fromkeys(names, 0)  # lossless check: greedy tokens equal this engine's plain decoding
     per_domain: dict[tuple[str, str], list[float]] = {}  # (system, domain) -> [seconds, tokens]
     runs = [(r, i) for r in range(s.repeats) for i in range(len(jobs))]
     for r, i in tqdm(runs, desc="peers", disable=None):
@@ -135,10 +137,12 @@ def run(s: PeersSettings, out: str | Path) -> dict:
             acc[1] += len(ids)
         for name in names:
             same[name] += outputs[name] == outputs[names[0]]
+            same_plain[name] += outputs[name] == outputs["dspark none"]
     rows = [{"system": n, "tok_s": tokens[n] / seconds[n], "tokens": tokens[n], "seconds": seconds[n],
              "vs_transformers": ratio(tokens[n] / seconds[n], tokens[names[0]] / seconds[names[0]]),
              "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
-             "greedy_match_fraction": same[n] / len(runs)} for n in names]
+             "greedy_match_fraction": same[n] / len(runs),
+             "greedy_match_none_fraction": same_plain[n] / len(runs)} for n in names]
     speed = {key: toks / secs for key, (secs, toks) in per_domain.items()}  # (system, domain) -> tok/s
     domains = list(dict.fromkeys(j.domain for j in jobs))
     domain_rows = [{"system": n, "domain": d, "tok_s": speed[n, d],
@@ -159,9 +163,10 @@ def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: 
     if note:
         md.append(f"\nNote: {note}.\n")
     md.append("\n" + report.table(
-        ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers"],
-        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"]]
-         for r in rows]))
+        ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers",
+         "greedy tokens = dspark none"],
+        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"],
+          r.get("greedy_match_none_fraction", "–")] for r in rows]))
     domains = list(dict.fromkeys(r["domain"] for r in domain_rows))
     by = {(r["system"], r["domain"]): r for r in domain_rows}
     md.append("\nPer domain: tok/s (× dspark none)\n\n" + report.table(

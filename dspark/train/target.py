@@ -4,12 +4,19 @@ AdamW with warm-up and cosine decay on windows of the three-domain corpus; a pro
 with loss and tokens/s; a checkpoint every few minutes; exact resume after a kill (run
 the same command again). At the end the model is exported in Hugging Face format.
 
+Optionally (`unlikelihood > 0`) the loss adds token-level unlikelihood (Welleck et al. 2019,
+"Neural text generation with unlikelihood training"): at every position, the probability of
+each token seen in the last `unlikelihood_window` context tokens (other than the true next
+token) is pushed down by -log(1 - p). It targets the greedy repetition loops that small models
+fall into, which more steps of plain cross-entropy made worse here (docs/models/dspark-tiny.md).
+
     dspark train target --config configs/target-tiny.toml
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +63,8 @@ class TargetTrainConfig:
     eval_windows: int = 8
     compile: bool = True
     threads: int = 0  # 0: torch's default
+    unlikelihood: float = 0.0  # weight of the token-level unlikelihood term (0: plain cross-entropy)
+    unlikelihood_window: int = 64  # candidates: the tokens of this many preceding context positions
 
     @classmethod
     def from_file(cls, path: str | Path) -> TargetTrainConfig:
@@ -76,6 +85,33 @@ def lm_loss(net: CausalLM, batch: torch.Tensor) -> torch.Tensor:
     hidden, _ = net.forward_dense(batch[:, :-1])
     logits = net.logits(hidden, normed=True)
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+
+def repeat_candidates(inputs: torch.Tensor, targets: torch.Tensor, vocab: int, window: int) -> torch.Tensor:
+    """[B, T, V] bool: token v is a candidate at position i when it occurs among inputs[i-window+1 .. i]
+    (the context just before target i) and is not targets[i]."""
+    pad = inputs[:, :1].expand(-1, window - 1)  # the first token stands in before the start (it is context anyway)
+    recent = torch.cat([pad, inputs], dim=1).unfold(1, window, 1)  # [B, T, window]
+    mask = torch.zeros(*inputs.shape, vocab, dtype=torch.bool, device=inputs.device)
+    mask.scatter_(2, recent, True)
+    mask.scatter_(2, targets[..., None], False)
+    return mask
+
+
+def unlikelihood_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over positions of -sum over candidates of log(1 - p(candidate))."""
+    p = logits.float().softmax(-1)
+    penalty = -torch.log1p(-p.clamp(max=1 - 1e-6)) * mask
+    return penalty.sum() / (logits.shape[0] * logits.shape[1])
+
+
+def lm_ul_loss(net: CausalLM, batch: torch.Tensor, weight: float, window: int) -> torch.Tensor:
+    """Cross-entropy plus `weight` x token-level unlikelihood of recently seen tokens."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    hidden, _ = net.forward_dense(inputs)
+    logits = net.logits(hidden, normed=True)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return ce + weight * unlikelihood_loss(logits, repeat_candidates(inputs, targets, logits.shape[-1], window))
 
 
 @torch.no_grad()
@@ -119,7 +155,10 @@ def train(cfg: TargetTrainConfig) -> CausalLM:
         step = state["step"]
     train_streams, held_streams = load_streams(cfg.tokens_dir, "train"), load_streams(cfg.tokens_dir, "heldout")
     sampler = WindowSampler(cfg.seq_len, cfg.batch_size, cfg.domain_weights, cfg.seed)
-    loss_fn = torch.compile(lm_loss) if cfg.compile else lm_loss
+    loss_fn = lm_loss
+    if cfg.unlikelihood > 0:
+        loss_fn = functools.partial(lm_ul_loss, weight=cfg.unlikelihood, window=cfg.unlikelihood_window)
+    loss_fn = torch.compile(loss_fn) if cfg.compile else loss_fn
     net.train()
     last_save, t0, tokens = time.time(), time.time(), 0
     bar = tqdm(total=cfg.max_steps, initial=step, desc="target", dynamic_ncols=True)

@@ -98,6 +98,18 @@ def test_sla_and_matched_throughput_summary_on_a_hand_made_table():
     assert [e["level"] for e in default["matched"]] == [100.0, 160.0, 200.0]
     by_c = frontier.ratios_by_concurrency(rows, "none")
     assert {(r["concurrency"], r["throughput_ratio"]) for r in by_c} == {(1, 2.0), (2, 1.875), (4, 1.8)}
+    assert all(r["throughput_ratio_runs"] is None for r in by_c)  # single runs: no per-repeat ratios
+
+
+def test_per_repeat_ratios_pair_runs_that_ran_together():
+    rows = [{"config": "none", "concurrency": 1, "throughput_tok_s": 100.0, "per_user_tok_s_mean": 100.0,
+             "throughput_runs": [120.0, 80.0]},
+            {"config": "spec", "concurrency": 1, "throughput_tok_s": 90.0, "per_user_tok_s_mean": 90.0,
+             "throughput_runs": [108.0, 72.0]}]
+    (r,) = frontier.ratios_by_concurrency(rows, "none")
+    assert r["throughput_ratio"] == pytest.approx(0.9)
+    assert r["throughput_ratio_runs"] == pytest.approx([0.9, 0.9])  # the drift cancels within each pair
+    assert frontier.paired([1.0, 2.0], [1.0]) is None
 
 
 def test_configs_and_workloads(qwen3_dir):

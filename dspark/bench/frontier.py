@@ -75,5 +75,14 @@ def ratios_by_concurrency(rows: Sequence[dict], reference: str) -> list[dict]:
             continue
         out.append({"config": r["config"], "concurrency": r["concurrency"],
                     "throughput_ratio": ratio(r.get(THROUGHPUT), b.get(THROUGHPUT)),
-                    "per_user_ratio": ratio(r.get(SPEED), b.get(SPEED))})
+                    "per_user_ratio": ratio(r.get(SPEED), b.get(SPEED)),
+                    "throughput_ratio_runs": paired(r.get("throughput_runs"), b.get("throughput_runs"))})
     return out
+
+
+def paired(runs: Sequence[float] | None, base: Sequence[float] | None) -> list[float] | None:
+    """Throughput ratio of each repeat over the reference's same repeat (the two ran next to each
+    other in time), so the spread of the ratio shows apart from the machine's drift."""
+    if not runs or not base or len(runs) != len(base) or len(runs) < 2:
+        return None
+    return [ratio(a, b) for a, b in zip(runs, base, strict=True)]

@@ -258,6 +258,10 @@ def _f(v):
     return "–" if v is None else v
 
 
+def _runs(values: list[float | None] | None) -> str:
+    return "–" if not values else ", ".join("–" if v is None else f"{v:.2f}" for v in values)
+
+
 def _kv(r: dict) -> str:
     if r["peak_kv_blocks"] is None:
         return "–"
@@ -294,9 +298,9 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
     ref = summary["reference"]
     if ratios:
         md += [f"\n## Ratios vs `{ref}` at the same concurrency\n\n",
-               report.table(["config", "C", "throughput ×", "per-user ×"],
-                            [[r["config"], r["concurrency"], _f(r["throughput_ratio"]), _f(r["per_user_ratio"])]
-                             for r in ratios])]
+               report.table(["config", "C", "throughput ×", "per-user ×", "throughput × per repeat"],
+                            [[r["config"], r["concurrency"], _f(r["throughput_ratio"]), _f(r["per_user_ratio"]),
+                              _runs(r.get("throughput_ratio_runs"))] for r in ratios])]
         for config in dict.fromkeys(r["config"] for r in ratios):
             worst = min((r for r in ratios if r["config"] == config and r["throughput_ratio"] is not None),
                         key=lambda r: r["throughput_ratio"], default=None)

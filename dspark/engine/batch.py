@@ -31,6 +31,7 @@ class Batch:
     rows: tuple[BatchRow, ...]
     input_ids: torch.Tensor  # [N] long
     cu_seqlens: torch.Tensor  # [R+1] long, offsets of each request's tokens
+    offsets: list[int]  # the same offsets on the host (reading the tensor would wait for the device)
     logits_indices: torch.Tensor  # [M] long, flat rows that need logits, request-major
     cu_logits: list[int]  # [R+1] offsets of each request's rows in the logits
     meta: AttentionMetadata
@@ -52,6 +53,7 @@ class Batch:
             rows=tuple(rows),
             input_ids=torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=device),
             cu_seqlens=torch.tensor(offsets, dtype=torch.long, device=device),
+            offsets=offsets,
             logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
             cu_logits=cu_logits,
             meta=meta,

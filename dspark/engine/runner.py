@@ -96,8 +96,9 @@ class ModelRunner:
         logits = out.logits[torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)]
         probs = probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device))
         tokens = sample(probs, [r.generator for r in reqs])
+        host = tokens.tolist()  # one device-to-host copy for the whole batch
         for j, r in enumerate(reqs):
-            result.tokens[r.request_id] = [int(tokens[j])]
+            result.tokens[r.request_id] = [host[j]]
             if r.params.logprobs is not None:
                 result.logprobs[r.request_id] = token_logprobs(logits[j : j + 1], tokens[j : j + 1], r.params.logprobs)
 

@@ -181,8 +181,9 @@ class SpecRunner:
             lengths = self._choose(block, caps, other_tokens)
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - result.times.get("draft", 0.0)
-        rows = [self.base.plain_row(s) for s in plain] + [self._verify_row(s, block, i, ell) for i, (s, ell) in
-                                                      enumerate(zip(decode, lengths, strict=True))]
+        drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
+        rows = [self.base.plain_row(s) for s in plain] + [self._verify_row(s, d[:ell]) for s, d, ell in
+                                                      zip(decode, drafts, lengths, strict=True)]
         batch, out = self.base.target_forward(rows, self.drafter.taps)
         t2 = time.perf_counter()
         result.times["verify"] = t2 - t1
@@ -218,21 +219,21 @@ class SpecRunner:
         return [min(ell, c) for ell, c in zip(lengths, caps, strict=True)]
 
     @staticmethod
-    def _verify_row(s: ScheduledRequest, block: DraftBlock | None, i: int, ell: int) -> BatchRow:
-        req = s.request
-        drafts = block.tokens[i, :ell].tolist() if block is not None and ell else []
+    def _verify_row(s: ScheduledRequest, drafts: list[int]) -> BatchRow:
+        req, ell = s.request, len(drafts)
         return BatchRow(req.request_id, [req.all_ids[-1], *drafts], req.num_computed + 1 + ell, 1 + ell)
 
     def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int) -> None:
         reqs = [s.request for s in decode]
         g, vocab = self.gamma, out.logits.shape[-1]
-        starts = [batch.cu_logits[n_plain + i] for i in range(len(decode))]
-        logits = torch.cat([out.logits[st : st + 1 + ell] for st, ell in zip(starts, lengths, strict=True)])
+        logits = out.logits[batch.cu_logits[n_plain] :]  # verify rows come last: 1 + l_r logits per request
         tprobs = probabilities(logits, *sampling_tensors(reqs, [1 + ell for ell in lengths], self.device))
         padded = torch.zeros(len(decode), g + 1, vocab, device=self.device)
+        where = [(i, k) for i, ell in enumerate(lengths) for k in range(1 + ell)]  # tprobs row -> (request, k)
+        index = torch.tensor(where, device=self.device)
+        padded[index[:, 0], index[:, 1]] = tprobs  # one scatter, not one copy per request
         offsets = [0]
-        for i, ell in enumerate(lengths):
-            padded[i, : 1 + ell] = tprobs[offsets[-1] : offsets[-1] + 1 + ell]
+        for ell in lengths:
             offsets.append(offsets[-1] + 1 + ell)
         verdict = verify(block.tokens, block.probs, padded, torch.tensor(lengths, device=self.device),
                          [r.generator for r in reqs])
@@ -242,27 +243,29 @@ class SpecRunner:
             result.num_computed[r.request_id] = r.num_computed + 1 + n
             result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
             result.verified[r.request_id], result.accepted[r.request_id] = ell, n
-            emitted = torch.tensor(verdict.tokens[i], device=self.device)
-            self._logprobs(result, r, logits[offsets[i] : offsets[i] + n + 1], emitted)
+            if r.params.logprobs is not None:
+                emitted = torch.tensor(verdict.tokens[i], device=self.device)
+                result.logprobs[r.request_id] = token_logprobs(logits[offsets[i] : offsets[i] + n + 1], emitted,
+                                                               r.params.logprobs)
         if any(lengths):
             self.stats.update(lengths, verdict.num_accepted)
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))
 
-    def _logprobs(self, result: StepResult, req, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        if req.params.logprobs is not None:
-            result.logprobs[req.request_id] = token_logprobs(logits, tokens, req.params.logprobs)
-
     def _commit_context(self, result: StepResult, ordered, batch, out) -> None:
         """Queue the tapped features of every token now committed to the target cache; the
         drafter receives them right before it next drafts for that request."""
-        for i, s in enumerate(ordered):
+        keeps = [result.num_computed[s.request.request_id] - s.request.num_computed for s in ordered]
+        feats: Sequence[torch.Tensor | None] = [None] * len(ordered)
+        if out.taps is not None:
+            # one gather of the kept rows (a copy: views of the step's whole tapped tensor would keep it
+            # alive until every request drafts), then cheap views of that copy, one per request
+            flat = [batch.offsets[i] + k for i, keep in enumerate(keeps) for k in range(keep)]
+            kept = out.taps[torch.tensor(flat, dtype=torch.long, device=out.taps.device)]
+            feats = kept.split(keeps)
+        for i, (s, keep) in enumerate(zip(ordered, keeps, strict=True)):
             req = s.request
-            keep = result.num_computed[req.request_id] - req.num_computed
-            start = int(batch.cu_seqlens[i])
-            # a copy: a view would keep the whole step's tapped tensor alive until the request drafts
-            feats = out.taps[start : start + keep].clone() if out.taps is not None else None
-            self.pending.add(ContextRow(req.request_id, req.num_computed, list(batch.rows[i].tokens[:keep]), feats))
+            self.pending.add(ContextRow(req.request_id, req.num_computed, list(batch.rows[i].tokens[:keep]), feats[i]))
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool) -> None:
         self.steps += 1

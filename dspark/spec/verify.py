@@ -55,8 +55,9 @@ def verify(
         residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final)
         final = torch.where(rejected[:, None], residual, final)
     last = inverse_cdf(final, u[:, width])
-    tokens = [draft_tokens[r, : int(accepted[r])].tolist() + [int(last[r])] for r in range(rows)]
-    return Verdict(accepted.tolist(), tokens)
+    # host copies of the whole batch at once: a read per request would wait for the device each time
+    n, drafts, ends = accepted.tolist(), draft_tokens.tolist(), last.tolist()
+    return Verdict(n, [drafts[r][: n[r]] + [ends[r]] for r in range(rows)])
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -86,12 +86,12 @@ def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> tor
     """One token per row of probs [M, V]; row i uses generators[i] (per-request seed).
     One-hot (greedy) rows take their argmax; unseeded rows share one batched draw."""
     out = probs.argmax(-1)
-    greedy = probs.max(-1).values >= 1.0
-    free = [i for i, g in enumerate(generators) if g is None and not bool(greedy[i])]
+    greedy = (probs.max(-1).values >= 1.0).tolist()  # one host read for the batch, not one per row
+    free = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
     if free:
         idx = torch.tensor(free, device=probs.device)
         out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
     for i, gen in enumerate(generators):
-        if gen is not None and not bool(greedy[i]):
+        if gen is not None and not greedy[i]:
             out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
     return out

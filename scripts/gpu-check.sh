@@ -10,7 +10,8 @@
 # Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), single-stream peers
 # (transformers generate() and prompt lookup vs this engine's none and dspark), online mixed and
 # online hostile. Writes $OUT/log.txt and $OUT/results.tar.gz (docs/results layout: peers/,
-# online/, hostile/).
+# online/, hostile/). The limits add up to ~570 s (one device call): `bench online` rewrites its
+# report after every concurrency level, so a step stopped at its limit still leaves the levels it finished.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dspark-gpu}
@@ -34,20 +35,20 @@ if [ "$SMALL" = 1 ]; then
 else
   PEERS="--num-prompts 2 --max-tokens 128 --repeats 2"
   ONLINE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"
-  HOSTILE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"; LIMIT=190
+  HOSTILE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"; LIMIT=230
 fi
 
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 } >>"$log" 2>&1
-[ "$DEVICE" = cuda ] && step 60 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+[ "$DEVICE" = cuda ] && step 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 # shellcheck disable=SC2086
-step 150 python3 -m dspark bench peers --device "$DEVICE" --profile refresh $PEERS --out "$OUT/r/peers"
+step 140 python3 -m dspark bench peers --device "$DEVICE" --profile refresh $PEERS --out "$OUT/r/peers"
 # shellcheck disable=SC2086
 step "$LIMIT" python3 -m dspark bench online --device "$DEVICE" --profile refresh \
   --configs "none;mtp:static:1;dspark:static:7;dspark:dspark" $ONLINE --out "$OUT/r/online"
 # shellcheck disable=SC2086
-step 110 python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile \
+step 150 python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile \
   --configs "none;dspark:static:7;dspark:dspark" $HOSTILE --out "$OUT/r/hostile"
 tar czf "$OUT/results.tar.gz" -C "$OUT" r
 echo "=== $(date -u +%T) done" | tee -a "$log"

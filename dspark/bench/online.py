@@ -181,6 +181,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         engines[sp.label] = (sp, engine)
     rows = []
     labels = list(engines)
+    order = {label: i for i, label in enumerate(labels)}
     for level, c in enumerate(tqdm(s.concurrency, desc="concurrency", disable=None)):
         runs: dict[str, list[dict]] = {label: [] for label in labels}
         for rep in range(s.repeats):
@@ -189,7 +190,6 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
                 sp, engine = engines[label]
                 runs[label].append(measure_one(s, sp, engine, c, jobs, params))
         rows += [merge_runs(r) for r in runs.values()]
-        order = {label: i for i, label in enumerate(labels)}
         rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
         if level + 1 < len(s.concurrency):
             on_level(rows, skipped)

@@ -166,7 +166,7 @@ def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: 
         ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers",
          "greedy tokens = dspark none"],
         [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"],
-          r.get("greedy_match_none_fraction", "–")] for r in rows]))
+          r["greedy_match_none_fraction"]] for r in rows]))
     domains = list(dict.fromkeys(r["domain"] for r in domain_rows))
     by = {(r["system"], r["domain"]): r for r in domain_rows}
     md.append("\nPer domain: tok/s (× dspark none)\n\n" + report.table(

@@ -47,8 +47,7 @@ class Gate:
     that shares its forward with prefill chunks looks as if a few draft tokens were free (the
     chunks make the forward slow anyway), but opening there drafts for every request after a
     closed spell, each first catching up its whole pending context, a cost the profile's draft
-    time (measured with the context already written) does not hold; on hostile traffic that made
-    a closed gate cost 5-10% (`docs/results/online-hostile*`). Once open, Algorithm 1 still sizes
+    time (measured with the context already written) does not hold. Once open, Algorithm 1 still sizes
     the budget with the prefill tokens counted. The verdict depends on the number of requests, the
     acceptance estimates and the profile; it is cached until one of the first two changes or
     `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step.
@@ -61,10 +60,15 @@ class Gate:
         self.open = True  # the last verdict (slots are reserved for the first step)
         self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
 
+    @property
+    def idle(self) -> bool:
+        """Disabled, or no profile to judge by: every step with slots drafts."""
+        return not self.cfg.enabled or self.profile is None
+
     def should_draft(self, num_requests: int, caps: Sequence[int]) -> bool:
         """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not."""
         self.probing = False
-        if not self.cfg.enabled or self.profile is None:
+        if self.idle:
             return True
         if self.judge(num_requests, caps):
             return True
@@ -79,7 +83,7 @@ class Gate:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock
         and judge whether drafting would pay now, so that the next step reserves slots."""
         self.probing = False
-        if not self.cfg.enabled or self.profile is None:
+        if self.idle:
             return
         if not self.judge(num_requests, [gamma] * num_requests):
             self.wait += 1
@@ -96,7 +100,7 @@ class Gate:
         """Whether the next step should reserve draft slots (KV and token budget). A closed gate
         withholds them: reserving and rolling back γ slots per request on every step slowed plain
         decoding at 16 requests (`docs/results/hostile-c16*`)."""
-        return not self.cfg.enabled or self.profile is None or self.open or self.wait + 1 >= self.interval
+        return self.idle or self.open or self.wait + 1 >= self.interval
 
     def probe_subset(self, decode: Sequence, step: int) -> list:
         """The requests a probe drafts for: a window of `probe_requests`, rotating with the step,

@@ -80,10 +80,15 @@ class TargetTrainConfig:
         )
 
 
+def next_token_logits(net: CausalLM, batch: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] for the next token at every position of batch[:, :-1] (batch is [B, T+1])."""
+    hidden, _ = net.forward_dense(batch[:, :-1])
+    return net.logits(hidden, normed=True)
+
+
 def lm_loss(net: CausalLM, batch: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of batch [B, T+1]."""
-    hidden, _ = net.forward_dense(batch[:, :-1])
-    logits = net.logits(hidden, normed=True)
+    logits = next_token_logits(net, batch)
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
 
 
@@ -108,8 +113,7 @@ def unlikelihood_loss(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def lm_ul_loss(net: CausalLM, batch: torch.Tensor, weight: float, window: int) -> torch.Tensor:
     """Cross-entropy plus `weight` x token-level unlikelihood of recently seen tokens."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    hidden, _ = net.forward_dense(inputs)
-    logits = net.logits(hidden, normed=True)
+    logits = next_token_logits(net, batch)
     ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return ce + weight * unlikelihood_loss(logits, repeat_candidates(inputs, targets, logits.shape[-1], window))
 

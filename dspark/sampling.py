@@ -1,15 +1,18 @@
 """SamplingParams and the logits processing shared by the target and every drafter.
 
-The same `probabilities(logits, temperature, top_p, top_k)` turns target logits and draft
+The same `probabilities(logits, rows)` turns target logits and draft
 logits into distributions, so verification compares like with like (DESIGN.md §3.3).
 Temperature 0 means greedy: a one-hot distribution on the argmax.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dspark.device import upload
 
 
 @dataclass(frozen=True)
@@ -50,48 +53,77 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def probabilities(
-    logits: torch.Tensor,  # [M, V] float32
-    temperature: torch.Tensor,  # [M]
-    top_p: torch.Tensor,  # [M]
-    top_k: torch.Tensor,  # [M] long, 0 = off
-) -> torch.Tensor:  # [M, V]
+@dataclass(frozen=True)
+class SamplingRows:
+    """Sampling settings of M logits rows: device tensors for the arithmetic, and what the host
+    already knows about them (which rows are greedy, whether any row filters by top-p/top-k), so
+    `probabilities` and `sample` branch without reading the device. On a GPU each such read
+    waits for every queued kernel; the sequential draft heads call both γ times per step."""
+
+    temperature: torch.Tensor  # [M] float32
+    top_p: torch.Tensor  # [M] float32
+    top_k: torch.Tensor  # [M] long, 0 = off
+    greedy: tuple[bool, ...]  # [M] temperature 0: a one-hot row
+    filtered: bool  # some sampled row uses top-p < 1 or top-k > 0
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> SamplingRows:
+        """One row per entry of params (repeat a request's params for several rows)."""
+        return cls(upload([p.temperature for p in params], device, torch.float32),
+                   upload([p.top_p for p in params], device, torch.float32),
+                   upload([p.top_k for p in params], device, torch.long),
+                   tuple(p.greedy for p in params),
+                   any(not p.greedy and (p.top_p < 1.0 or p.top_k > 0) for p in params))
+
+    @classmethod
+    def same(cls, rows: int, params: SamplingParams, device: torch.device | str = "cpu") -> SamplingRows:
+        return cls.build([params] * rows, device)
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(self.greedy)
+
+
+def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:  # [M, V] float32 -> [M, V]
     """Temperature, top-k, top-p (in that order), then softmax; greedy rows are one-hot."""
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
-    vocab = logits.shape[-1]
-    if bool((top_p >= 1.0).all()) and bool((top_k <= 0).all()):
-        return _with_greedy(scaled.softmax(-1), logits, greedy)
+    if rows.all_greedy:
+        return one_hot(logits)
+    greedy = upload(rows.greedy, logits.device) if any(rows.greedy) else None
+    temperature = rows.temperature if greedy is None else torch.where(greedy, 1.0, rows.temperature)
+    scaled = logits / temperature[:, None]
+    probs = _filtered(scaled, rows.top_p, rows.top_k) if rows.filtered else scaled.softmax(-1)
+    return probs if greedy is None else torch.where(greedy[:, None], one_hot(logits), probs)
+
+
+def _filtered(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
     drop = ranks >= k[:, None]
     probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
     before = probs_sorted.cumsum(-1) - probs_sorted
     drop = drop | ((before >= top_p[:, None]) & (ranks > 0))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
-    return _with_greedy(probs, logits, greedy)
+    return torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
 
 
-def _with_greedy(probs: torch.Tensor, logits: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-    if not bool(greedy.any()):
-        return probs
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[:, None], onehot, probs)
+def one_hot(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
-def sample(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [M, V]; row i uses generators[i] (per-request seed).
-    One-hot (greedy) rows take their argmax; unseeded rows share one batched draw."""
-    out = probs.argmax(-1)
-    greedy = (probs.max(-1).values >= 1.0).tolist()  # one host read for the batch, not one per row
-    free = [i for i, g in enumerate(generators) if g is None and not greedy[i]]
-    if free:
-        idx = torch.tensor(free, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1)[:, 0]
-    for i, gen in enumerate(generators):
-        if gen is not None and not greedy[i]:
-            out[i] = torch.multinomial(probs[i], 1, generator=gen)[0]
-    return out
+def sample(probs: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of probs [M, V]; row i draws from generators[i] (a per-request seed) or
+    the global generator. The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is token i
+    with probability p_i; unlike `torch.multinomial` it never reads the device (on the CPU,
+    multinomial checks its input with single-value reads). Greedy rows are one-hot: their argmax."""
+    if rows.all_greedy:
+        return probs.argmax(-1)
+    noise = torch.empty_like(probs)
+    if all(g is None for g in generators):
+        noise.exponential_()
+    else:
+        for i, gen in enumerate(generators):
+            noise[i].exponential_(generator=gen)
+    return (probs / noise.clamp_min_(1e-30)).argmax(-1)

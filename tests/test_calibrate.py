@@ -79,3 +79,15 @@ def test_calibrate_end_to_end_on_rollouts(qwen3_dir, tmp_path):
     saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert len(saved["sts_temperatures"]) == 3
     assert (tmp_path / "out" / "reliability.png").is_file() and (tmp_path / "out" / "calibration.json").is_file()
+
+
+def test_temperatures_that_do_not_help_out_of_sample_are_not_written():
+    from dspark.spec.calibrate import Calibration
+    from dspark.spec.rollouts import shipped_temperatures
+
+    def cal(before, after):
+        return Calibration([0.5, 2.0], [{"ece": e} for e in before], [{"ece": e} for e in after])
+
+    assert shipped_temperatures(cal([0.04, 0.02], [0.03, 0.01]))[0] == [0.5, 2.0]
+    temps, why = shipped_temperatures(cal([0.03, 0.01], [0.04, 0.01]))
+    assert temps == [1.0, 1.0] and "did not lower" in why

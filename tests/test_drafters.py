@@ -12,6 +12,7 @@ from dspark.drafters.dspark import block_mask
 from dspark.drafters.registry import default_taps, load_drafter, new_config, new_drafter
 from dspark.kv_cache import PagedKVCache
 from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams, SamplingRows
 from dspark.train.anchors import make_batch
 from dspark.train.losses import acceptance, drafter_loss
 
@@ -42,9 +43,8 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov"):
         _, taps = target.forward_dense(ids, d.taps)
     anchor_pos = len(context) - 1
     d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
-    zeros = torch.zeros(1)
-    block = d.propose([ProposeInput("r", context[-1], anchor_pos, context[:-1])], zeros, torch.ones(1),
-                      torch.zeros(1, dtype=torch.long))
+    block = d.propose([ProposeInput("r", context[-1], anchor_pos, context[:-1])],
+                      SamplingRows.same(1, SamplingParams(temperature=0.0)))
     drafted = block.tokens[0].tolist()
     full = torch.tensor([context + drafted])
     with torch.no_grad():

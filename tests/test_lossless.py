@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from dspark.sampling import probabilities
+from dspark.sampling import SamplingParams, SamplingRows, probabilities, sample
 from dspark.spec.schedule import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
 from dspark.spec.verify import verify
 
@@ -26,9 +26,8 @@ CONF = torch.tensor([0.8, 0.05, 0.95])  # c_k as a function of the previous draf
 
 
 def processed(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    rows = logits.shape[0]
-    return probabilities(logits, torch.full((rows,), temperature), torch.full((rows,), top_p),
-                         torch.full((rows,), top_k, dtype=torch.long))
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k)
+    return probabilities(logits, SamplingRows.same(logits.shape[0], params))
 
 
 def sps_cost(sps: dict[int, float]):
@@ -71,11 +70,12 @@ def simulate(choose, temperature=1.0, top_p=1.0, top_k=0, seed=0) -> torch.Tenso
     out = torch.full((N, TOKENS), -1, dtype=torch.long)
     count = torch.zeros(N, dtype=torch.long)
     anchor = torch.zeros(N, dtype=torch.long)
+    rows = SamplingRows.same(N, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k))
     while bool((count < TOKENS).any()):
         prev, drafts, conf = anchor, [], []
         for _ in range(GAMMA):
             conf.append(CONF[prev])
-            prev = torch.multinomial(q_tab[prev], 1)[:, 0]
+            prev = sample(q_tab[prev], rows, [None] * N)  # the engine's own draft sampler
             drafts.append(prev)
         tokens = torch.stack(drafts, 1)  # [N, G]
         ctx = torch.cat([anchor[:, None], tokens], 1)  # x_0..x_G
@@ -155,3 +155,20 @@ def test_greedy_verification_rule():
     assert verdict.num_accepted == [2] and verdict.tokens == [[2, 1, 1]]  # bonus after a full prefix
     verdict = verify(tokens, draft, target, torch.tensor([0]), [None])
     assert verdict.num_accepted == [0] and verdict.tokens == [[2]]
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sample_follows_its_distribution(seeded):
+    """The engine's sampler (exponential race) draws token i with probability p_i, seeded or not,
+    and never a zero-probability token."""
+    torch.manual_seed(1)
+    p = torch.tensor([0.05, 0.0, 0.5, 0.15, 0.3])
+    n = 40_000
+    gens = [torch.Generator().manual_seed(i) if seeded and i % 2 else None for i in range(n)]
+    tokens = sample(p.repeat(n, 1), SamplingRows.same(n, SamplingParams(temperature=1.0)), gens)
+    observed = torch.bincount(tokens, minlength=len(p)).double()
+    assert observed[1] == 0
+    keep = p > 0
+    expected = p.double()[keep] * n
+    stat = float(((observed[keep] - expected) ** 2 / expected).sum())
+    assert float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0), torch.tensor(stat / 2.0))) > 1e-3

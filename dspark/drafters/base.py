@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from dspark.sampling import SamplingRows
+
 KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram")
 HEADS = ("markov", "gated", "rnn", "none")
 
@@ -126,8 +128,8 @@ class Drafter(ABC):
     def extend(self, rows: Sequence[ContextRow]) -> None: ...
 
     @abstractmethod
-    def propose(self, inputs: Sequence[ProposeInput], temperature: torch.Tensor, top_p: torch.Tensor,
-                top_k: torch.Tensor) -> DraftBlock: ...
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+        """A draft block for each input; rows holds each request's sampling settings (one row per input)."""
 
     @abstractmethod
     def rollback(self, seq_id: str, length: int) -> None: ...

@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 import torch
 
+from dspark.device import upload
 from dspark.drafters.backbone import Backbone
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, apply_sts
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
-from dspark.sampling import probabilities, sample
+from dspark.sampling import SamplingRows, probabilities, sample
 
 
 class DSparkDrafter(NeuralDrafter):
@@ -46,7 +47,7 @@ class DSparkDrafter(NeuralDrafter):
         return torch.cat([anchors[..., None], masks], dim=-1)
 
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput], temperature, top_p, top_k) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         g, dev = self.gamma, self.target.device
         for inp in inputs:
             if self.pool.length(inp.seq_id) != inp.context_len:
@@ -57,31 +58,31 @@ class DSparkDrafter(NeuralDrafter):
                 [g] * len(inputs), [i.context_len + g for i in inputs],
                 [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev, causal=False,
             )
-            anchors = torch.tensor([i.anchor for i in inputs], device=dev)
+            anchors = upload([i.anchor for i in inputs], dev)
             x = self.embed(self.block_inputs(anchors).flatten())  # [R*g, d]
             hidden = self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1)
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
-        return self.sample_block(hidden, anchors, temperature, top_p, top_k, [i.generator for i in inputs])
+        return self.sample_block(hidden, anchors, rows, [i.generator for i in inputs])
 
-    def sample_block(self, hidden, anchors, temperature, top_p, top_k, generators) -> DraftBlock:
+    def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
         """Left-to-right sampling of the block from hidden [R, g, d]."""
         base = self.lm_head(hidden)  # [R, g, V]
         prev, state = anchors, None
-        tokens, probs, conf = [], [], []
+        tokens, probs, embs = [], [], []
         for k in range(self.gamma):
             logits = base[:, k]
             if self.head is not None:
                 bias, emb, state = self.head.step(hidden[:, k], prev, state)
                 logits = logits + bias.float()
-                if self.conf is not None:
-                    conf.append(self.conf(hidden[:, k], emb))
-            p = probabilities(logits, temperature, top_p, top_k)
-            prev = sample(p, generators)
+                embs.append(emb)
+            p = probabilities(logits, rows)
+            prev = sample(p, rows, generators)
             tokens.append(prev)
             probs.append(p)
-        raw = torch.stack(conf, 1) if conf else None
+        # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
+        raw = self.conf(hidden, torch.stack(embs, 1)) if self.conf is not None and embs else None
         confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
         return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence, confidence_logits=raw)
 

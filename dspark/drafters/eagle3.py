@@ -16,13 +16,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dspark.device import upload
 from dspark.drafters.backbone import layer_config, layer_with_prefix
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.models.layers import RMSNorm, Rotary
 from dspark.models.qwen3 import DecoderLayer
-from dspark.sampling import probabilities, sample
+from dspark.sampling import SamplingRows, probabilities, sample
 
 
 class ShiftedDrafter(NeuralDrafter):
@@ -53,7 +54,7 @@ class ShiftedDrafter(NeuralDrafter):
             prev_feats.append(torch.cat([last, fused[:-1]]))
             self.features[r.seq_id] = fused if before is None else torch.cat([before, fused])
             toks.extend(r.token_ids)
-        z = self.entry(torch.cat(prev_feats), torch.tensor(toks, device=self.target.device))
+        z = self.entry(torch.cat(prev_feats), upload(toks, self.target.device))
         slots, positions = self.slots_and_positions(rows)
         cos, sin = self.rotary.cos_sin(positions, z.dtype)
         _, k, v = self.layer.self_attn.qkv(self.layer.input_layernorm(z), cos, sin)
@@ -70,11 +71,11 @@ class ShiftedDrafter(NeuralDrafter):
         self.features.pop(seq_id, None)
 
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput], temperature, top_p, top_k) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         dev, d = self.target.device, self.config.hidden_size
         feat = torch.stack([self.features[i.seq_id][-1] if i.context_len else torch.zeros(d, device=dev, dtype=self.target.dtype)
                             for i in inputs])
-        prev = torch.tensor([i.anchor for i in inputs], device=dev)
+        prev = upload([i.anchor for i in inputs], dev)
         gens = [i.generator for i in inputs]
         tokens, probs = [], []
         try:
@@ -85,8 +86,8 @@ class ShiftedDrafter(NeuralDrafter):
                                                [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev)
                 cos, sin = self.rotary.cos_sin(meta.positions, feat.dtype)
                 out = self.layer(self.entry(feat, prev), cos, sin, meta, self.cache.layers[0])  # [R, d]
-                p = probabilities(self.lm_head(self.norm(out)), temperature, top_p, top_k)
-                prev, feat = sample(p, gens), out
+                p = probabilities(self.lm_head(self.norm(out)), rows)
+                prev, feat = sample(p, rows, gens), out
                 tokens.append(prev)
                 probs.append(p)
         finally:

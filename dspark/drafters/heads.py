@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.device import upload
+
 
 class SequentialHead(nn.Module):
     def __init__(self, kind: str, vocab: int, rank: int, hidden: int) -> None:
@@ -70,5 +72,5 @@ def apply_sts(conf_logits: torch.Tensor, temperatures: tuple[float, ...]) -> tor
     """Calibrated confidences: sigmoid(logit_k / T_k) per position k (last dim = gamma)."""
     if not temperatures:
         return torch.sigmoid(conf_logits)
-    t = torch.tensor(temperatures, dtype=conf_logits.dtype, device=conf_logits.device)
+    t = upload(temperatures, conf_logits.device, conf_logits.dtype)
     return torch.sigmoid(conf_logits / t[: conf_logits.shape[-1]])

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
 from dspark.kv_cache import PagedKVCache
 from dspark.models.qwen3 import CausalLM
@@ -86,7 +87,7 @@ class NeuralDrafter(nn.Module, Drafter):
         slots = [s for r in rows for s in self.pool.slots(r.seq_id, r.start, len(r.token_ids))]
         pos = [p for r in rows for p in range(r.start, r.start + len(r.token_ids))]
         dev = self.target.device
-        return torch.tensor(slots, device=dev), torch.tensor(pos, device=dev)
+        return upload(slots, dev), upload(pos, dev)
 
 
 def check_compatible(cfg: DrafterConfig, target: CausalLM) -> None:

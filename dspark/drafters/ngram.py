@@ -13,7 +13,9 @@ from collections.abc import Sequence
 
 import torch
 
+from dspark.device import upload
 from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput
+from dspark.sampling import SamplingRows
 
 
 def lookup(tokens: Sequence[int], gamma: int, n_max: int, n_min: int) -> list[int]:
@@ -55,11 +57,11 @@ class NgramDrafter(Drafter):
     def free(self, seq_id: str) -> None:
         pass
 
-    def propose(self, inputs: Sequence[ProposeInput], temperature, top_p, top_k) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         g = self.gamma
         conts = [lookup([*i.history, i.anchor], g, self.config.ngram_max, self.config.ngram_min) for i in inputs]
         padded = [c + [c[-1] if c else i.anchor] * (g - len(c)) for c, i in zip(conts, inputs, strict=True)]
-        tokens = torch.tensor(padded, dtype=torch.long, device=self.device)  # [R, g]
+        tokens = upload(padded, self.device, torch.long)  # [R, g]
         probs = torch.zeros(len(inputs), g, self.vocab_size, device=self.device)
         probs.scatter_(-1, tokens[..., None], 1.0)
         return DraftBlock(tokens, probs, None, [len(c) for c in conts])

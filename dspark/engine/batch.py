@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.device import upload
 from dspark.kv_cache import BlockPool
 from dspark.models.attention import AttentionMetadata
 
@@ -51,10 +52,10 @@ class Batch:
         )
         return Batch(
             rows=tuple(rows),
-            input_ids=torch.tensor([t for r in rows for t in r.tokens], dtype=torch.long, device=device),
-            cu_seqlens=torch.tensor(offsets, dtype=torch.long, device=device),
+            input_ids=upload([t for r in rows for t in r.tokens], device, torch.long),
+            cu_seqlens=upload(offsets, device, torch.long),
             offsets=offsets,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.long, device=device),
+            logits_indices=upload(logits_idx, device, torch.long),
             cu_logits=cu_logits,
             meta=meta,
         )

@@ -3,7 +3,7 @@
 The runner touches tensors only, never queues: it receives the scheduler's choice, feeds
 each request's new tokens through one flattened target forward (`engine/batch.py`) and
 returns the tokens each request emits. Speculative steps (draft -> policy -> verify) are
-in `spec/round.py` and reuse `sampling_tensors` and `target_forward` from here.
+in `spec/round.py` and reuse `sampling_rows` and `target_forward` from here.
 """
 
 from __future__ import annotations
@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.device import upload
 from dspark.engine.batch import Batch, BatchRow
 from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.kv_cache import PagedKVCache
 from dspark.models.qwen3 import CausalLM, ForwardOutput
-from dspark.sampling import probabilities, sample
+from dspark.sampling import SamplingRows, probabilities, sample
 
 
 @dataclass
@@ -37,13 +38,9 @@ class StepResult:
     times: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept seconds
 
 
-def sampling_tensors(requests: Sequence[Request], repeats: Sequence[int], device) -> tuple[torch.Tensor, ...]:
-    """(temperature, top_p, top_k) [M] for logits rows, repeats[i] rows per request i."""
-    t = [r.params.temperature for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
-    p = [r.params.top_p for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
-    k = [r.params.top_k for r, n in zip(requests, repeats, strict=True) for _ in range(n)]
-    return (torch.tensor(t, device=device, dtype=torch.float32), torch.tensor(p, device=device, dtype=torch.float32),
-            torch.tensor(k, device=device, dtype=torch.long))
+def sampling_rows(requests: Sequence[Request], repeats: Sequence[int], device) -> SamplingRows:
+    """The sampling settings of logits rows, repeats[i] rows per request i."""
+    return SamplingRows.build([r.params for r, n in zip(requests, repeats, strict=True) for _ in range(n)], device)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list[dict]:
@@ -93,9 +90,9 @@ class ModelRunner:
         if not sampling:
             return
         reqs = [r for _, r in sampling]
-        logits = out.logits[torch.tensor([batch.cu_logits[i] for i, _ in sampling], device=self.device)]
-        probs = probabilities(logits, *sampling_tensors(reqs, [1] * len(reqs), self.device))
-        tokens = sample(probs, [r.generator for r in reqs])
+        logits = out.logits[upload([batch.cu_logits[i] for i, _ in sampling], self.device)]
+        rows = sampling_rows(reqs, [1] * len(reqs), self.device)
+        tokens = sample(probabilities(logits, rows), rows, [r.generator for r in reqs])
         host = tokens.tolist()  # one device-to-host copy for the whole batch
         for j, r in enumerate(reqs):
             result.tokens[r.request_id] = [host[j]]

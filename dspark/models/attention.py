@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from dspark.device import upload
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -28,6 +30,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
     query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
     query_valid: torch.Tensor  # [R, Q] bool, False on padding
+    query_rows: torch.Tensor  # [N] long: the valid entries of the flattened [R, Q] grid, in order
     kv_slots: torch.Tensor  # [R, K] cache slot of request r's j-th context token (0 = pad)
     mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
 
@@ -46,11 +49,11 @@ class AttentionMetadata:
         With causal=False the new tokens also see each other in both directions (a draft
         block attending bidirectionally within itself, after its injected context).
         """
+        if any(q < 1 or c < q for q, c in zip(query_lens, context_lens, strict=True)):
+            raise ValueError("every request needs >= 1 new token and context_len >= query_len")
         qlens = torch.tensor(query_lens, dtype=torch.long)
         clens = torch.tensor(context_lens, dtype=torch.long)
-        if bool((qlens < 1).any()) or bool((clens < qlens).any()):
-            raise ValueError("every request needs >= 1 new token and context_len >= query_len")
-        num_q, num_k = int(qlens.max()), int(clens.max())
+        num_q, num_k = max(query_lens), max(context_lens)
         offs = torch.arange(num_q)
         query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
         starts = torch.cumsum(qlens, 0) - qlens
@@ -69,12 +72,13 @@ class AttentionMetadata:
             mask = mask & (keys[None, None, :] <= qpos[:, :, None])
         mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
         return AttentionMetadata(
-            positions=positions.to(device),
-            slot_mapping=slot_mapping.to(device),
-            query_index=query_index.to(device),
-            query_valid=query_valid.to(device),
-            kv_slots=kv_slots.to(device),
-            mask=mask[:, None].to(device),
+            positions=upload(positions, device),
+            slot_mapping=upload(slot_mapping, device),
+            query_index=upload(query_index, device),
+            query_valid=upload(query_valid, device),
+            query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
+            kv_slots=upload(kv_slots, device),
+            mask=upload(mask[:, None], device),
         )
 
     @property
@@ -105,7 +109,8 @@ def paged_attention(
         mask = mask.repeat(1, 1, rep, 1)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)  # [R, Hkv, rep*Q, D]
     out = out.reshape(r, heads, nq, d)
-    return out.transpose(1, 2)[meta.query_valid]  # [N, H, D]
+    # a long index, not the bool mask: masking on the device must wait for it to count the rows
+    return out.transpose(1, 2).reshape(r * nq, heads, d)[meta.query_rows]  # [N, H, D]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 
 from dspark.drafters.base import ProposeInput
 from dspark.engine.batch import BatchRow
+from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile, grid, timed
 
 
@@ -53,10 +54,9 @@ def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepP
         if dpool is not None:
             _reserve(dpool, ids, c)
         inputs = [ProposeInput(sid, 1, c, [1] * c) for sid in ids]
-        t = torch.ones(r, device=base.device)
-        zeros = torch.zeros(r, dtype=torch.long, device=base.device)
+        rows = SamplingRows.same(r, SamplingParams(temperature=1.0), base.device)
         try:
-            return timed(lambda: drafter.propose(inputs, t, t, zeros), repeats, base.device)
+            return timed(lambda: drafter.propose(inputs, rows), repeats, base.device)
         finally:
             for sid in ids:
                 drafter.free(sid)

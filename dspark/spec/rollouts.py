@@ -80,6 +80,18 @@ def reliability_plot(logits: torch.Tensor, accepted: torch.Tensor, cal: Calibrat
     plt.close(fig)
 
 
+def shipped_temperatures(cal: Calibration) -> tuple[list[float], str]:
+    """The temperatures to write: the fitted ones if they lower the mean held-out ECE, else
+    1.0 everywhere (a per-position grid fit can chase noise at deep positions, where few
+    blocks survive). Returns them and a sentence for the report."""
+    raw = sum(b["ece"] for b in cal.before) / len(cal.before)
+    fitted = sum(a["ece"] for a in cal.after) / len(cal.after)
+    if fitted < raw:
+        return list(cal.temperatures), f"Written: the fitted temperatures (mean held-out ECE {raw:.4f} -> {fitted:.4f})."
+    return [1.0] * len(cal.temperatures), (f"Written: 1.0 at every position, the raw confidences: STS did not lower "
+                                           f"the mean held-out ECE ({raw:.4f} -> {fitted:.4f}).")
+
+
 def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: str, max_tokens: int = 128,
               temperature: float = 1.0, write: bool = True) -> Calibration:
     if len(prompts) < 2:
@@ -92,10 +104,11 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reliability_plot(logits, accepted, cal, out / "reliability.png")
+    temps, verdict = shipped_temperatures(cal)
     if write:
         cfg_path = Path(drafter_dir) / "config.json"
         raw = json.loads(cfg_path.read_text())
-        raw["sts_temperatures"] = [round(t, 5) for t in cal.temperatures]
+        raw["sts_temperatures"] = [round(t, 5) for t in temps]
         cfg_path.write_text(json.dumps(raw, indent=2))
     from dspark.bench import report
 
@@ -104,8 +117,9 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
     md = (f"# STS calibration of `{drafter_dir}`\n\nTemperatures fitted on the full-block rounds of half the prompts; "
           f"the metrics below are on the other half ({len(accepted)} rounds), at temperature {temperature}.\n\n"
           + report.table(["k", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS", "observed a_k"], rows)
-          + f"\nTemperatures: {[round(t, 3) for t in cal.temperatures]}\n\n![reliability](reliability.png)\n")
+          + f"\nFitted temperatures: {[round(t, 3) for t in cal.temperatures]}. {verdict}\n\n"
+          "![reliability](reliability.png)\n")
     report.write(out, "calibration", {"drafter": drafter_dir, "rounds": len(accepted), "temperature": temperature,
-                                       "temperatures": cal.temperatures, "before": cal.before, "after": cal.after}, md)
+                                       "temperatures": cal.temperatures, "written": temps, "before": cal.before, "after": cal.after}, md)
     print(md)
     return cal

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.device import upload
 from dspark.drafters.base import ContextRow, DraftBlock, Drafter, ProposeInput
 from dspark.engine.batch import BatchRow
-from dspark.engine.runner import ModelRunner, StepResult, sampling_tensors, token_logprobs
+from dspark.engine.runner import ModelRunner, StepResult, sampling_rows, token_logprobs
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.sampling import probabilities
 from dspark.spec.profile import StepProfile
@@ -208,7 +209,7 @@ class SpecRunner:
     def _propose(self, decode: Sequence[ScheduledRequest]) -> DraftBlock:
         reqs = [s.request for s in decode]
         inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids[:-1], r.generator) for r in reqs]
-        return self.drafter.propose(inputs, *sampling_tensors(reqs, [1] * len(reqs), self.device))
+        return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device))
 
     def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int) -> list[int]:
         if block.num_valid is not None:
@@ -231,15 +232,15 @@ class SpecRunner:
         reqs = [s.request for s in decode]
         g, vocab = self.gamma, out.logits.shape[-1]
         logits = out.logits[batch.cu_logits[n_plain] :]  # verify rows come last: 1 + l_r logits per request
-        tprobs = probabilities(logits, *sampling_tensors(reqs, [1 + ell for ell in lengths], self.device))
+        tprobs = probabilities(logits, sampling_rows(reqs, [1 + ell for ell in lengths], self.device))
         padded = torch.zeros(len(decode), g + 1, vocab, device=self.device)
         where = [(i, k) for i, ell in enumerate(lengths) for k in range(1 + ell)]  # tprobs row -> (request, k)
-        index = torch.tensor(where, device=self.device)
+        index = upload(where, self.device)
         padded[index[:, 0], index[:, 1]] = tprobs  # one scatter, not one copy per request
         offsets = [0]
         for ell in lengths:
             offsets.append(offsets[-1] + 1 + ell)
-        verdict = verify(block.tokens, block.probs, padded, torch.tensor(lengths, device=self.device),
+        verdict = verify(block.tokens, block.probs, padded, upload(lengths, self.device),
                          [r.generator for r in reqs])
         for i, (r, ell) in enumerate(zip(reqs, lengths, strict=True)):
             n = verdict.num_accepted[i]
@@ -248,7 +249,7 @@ class SpecRunner:
             result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
             result.verified[r.request_id], result.accepted[r.request_id] = ell, n
             if r.params.logprobs is not None:
-                emitted = torch.tensor(verdict.tokens[i], device=self.device)
+                emitted = upload(verdict.tokens[i], self.device)
                 result.logprobs[r.request_id] = token_logprobs(logits[offsets[i] : offsets[i] + n + 1], emitted,
                                                                r.params.logprobs)
         if any(lengths):
@@ -265,7 +266,7 @@ class SpecRunner:
             # one gather of the kept rows (a copy: views of the step's whole tapped tensor would keep it
             # alive until every request drafts), then cheap views of that copy, one per request
             flat = [batch.offsets[i] + k for i, keep in enumerate(keeps) for k in range(keep)]
-            kept = out.taps[torch.tensor(flat, dtype=torch.long, device=out.taps.device)]
+            kept = out.taps[upload(flat, out.taps.device, torch.long)]
             feats = kept.split(keeps)
         for i, (s, keep) in enumerate(zip(ordered, keeps, strict=True)):
             req = s.request

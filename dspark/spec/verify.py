@@ -47,17 +47,23 @@ def verify(
     ok = (u[:, :width] * q_x < p_x) & in_prefix  # u < p/q without dividing
     accepted = ok.long().cumprod(-1).sum(-1)  # [R]
     final = target_probs[torch.arange(rows, device=dev), accepted]  # [R, V]
+    # the residual is computed for every row (rows that were not rejected keep `final`): asking
+    # the device whether any row was rejected would wait for it
     rejected = accepted < lengths
-    if bool(rejected.any()):
-        q_at = draft_probs[torch.arange(rows, device=dev), accepted.clamp(max=width - 1)]
-        residual = (final - q_at).clamp_min(0)
-        mass = residual.sum(-1, keepdim=True)
-        residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final)
-        final = torch.where(rejected[:, None], residual, final)
-    last = inverse_cdf(final, u[:, width])
-    # host copies of the whole batch at once: a read per request would wait for the device each time
-    n, drafts, ends = accepted.tolist(), draft_tokens.tolist(), last.tolist()
-    return Verdict(n, [drafts[r][: n[r]] + [ends[r]] for r in range(rows)])
+    if width == 0:  # nothing drafted: every row emits from its first target distribution
+        return _verdict(accepted, draft_tokens, inverse_cdf(final, u[:, 0]))
+    q_at = draft_probs[torch.arange(rows, device=dev), accepted.clamp(max=width - 1)]
+    residual = (final - q_at).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), final)
+    final = torch.where(rejected[:, None], residual, final)
+    return _verdict(accepted, draft_tokens, inverse_cdf(final, u[:, width]))
+
+
+def _verdict(accepted: torch.Tensor, draft_tokens: torch.Tensor, last: torch.Tensor) -> Verdict:
+    # one host copy for the whole batch: every read waits for the device
+    host = torch.cat([accepted[:, None], last[:, None], draft_tokens], 1).tolist()
+    return Verdict([row[0] for row in host], [row[2 : 2 + row[0]] + [row[1]] for row in host])
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -52,3 +52,13 @@ def test_targets_read_the_right_rows(tmp_path):
     assert hostile_check["status"] == "missed" and abs(hostile_check["value"] - 0.96) < 1e-9
     assert all(c["status"] == "not measured" for t, c in got.items() if t.startswith("single stream"))
     assert (tmp_path / "targets.md").read_text().count("| missed |") == 2
+
+
+def test_repeat_checks_are_read_from_their_subdirectories(tmp_path):
+    rows = online_rows(0.98)
+    runs = [{**r, "throughput_ratio_runs": [0.9, 1.06]} for r in ratios(rows)]
+    (tmp_path / "mixed-c64").mkdir()
+    write(tmp_path / "mixed-c64", "online", {"rows": rows, "ratios": runs})
+    got = [c for c in targets.run(tmp_path)["checks"] if c["source"] == "mixed-c64/online.json"]
+    assert [(c["status"], c["detail"]) for c in got] == [("met", "per run: 0.90, 1.06")] * 2
+    assert got[0]["target"].startswith("never a loss, 2-run check at C = 1 (mixed-c64)")

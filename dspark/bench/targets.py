@@ -2,7 +2,9 @@
 
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
-compares configurations measured side by side) and writes targets.json and targets.md: each
+compares configurations measured side by side), and the repeat checks in its subdirectories
+(`REPEAT_CHECKS`: one concurrency, `none` and dspark:dspark only, six runs each, for the cells where
+two runs are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
 target's measured value, its bar, met or missed, and the file it came from. Nothing is
 measured here; a missing file leaves its targets "not measured".
 """
@@ -116,6 +118,26 @@ def never_a_loss(res: dict | None, source: str) -> list[Check]:
                   + ", ".join(f"{r['concurrency']}: {r['throughput_ratio']:.3f}" for r in ratios))]
 
 
+REPEAT_CHECKS = {  # subdirectory -> its results file (`bench online --repeats 6 --out <results>/<subdirectory>`)
+    "hostile-c1": "online-hostile", "hostile-c4": "online-hostile", "hostile-c16": "online-hostile",
+    "mixed-c64": "online",
+}
+
+
+def repeat_checks(results: Path) -> list[Check]:
+    """Never a loss in each repeat check that exists: its one ratio, with the per-run ratios."""
+    out = []
+    for sub, name in REPEAT_CHECKS.items():
+        res = _load(results / sub, name)
+        rows = [r for r in (res or {}).get("ratios", []) if r["config"] == SPEC and r["throughput_ratio"] is not None]
+        for r in rows:
+            runs = ", ".join(f"{x:.2f}" for x in r.get("throughput_ratio_runs") or [])
+            out.append(Check(f"never a loss, {len(r.get('throughput_ratio_runs') or [])}-run check at C = "
+                             f"{r['concurrency']} ({sub}): {SPEC} / none", 0.97, r["throughput_ratio"],
+                             f"{sub}/{name}.json", f"per run: {runs}"))
+    return out
+
+
 SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results file, its checks)
     ("offline", offline_checks),
     ("peers", peers_checks),
@@ -128,7 +150,7 @@ SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results
 def run(results: str | Path) -> dict:
     results = Path(results)
     loaded = {name: _load(results, name) for name, _ in SECTIONS}
-    checks = [c for name, fn in SECTIONS for c in fn(loaded[name])]
+    checks = [c for name, fn in SECTIONS for c in fn(loaded[name])] + repeat_checks(results)
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
     payload = {"benchmark": "targets", "results": str(results), "sources": sources,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}

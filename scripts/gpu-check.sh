@@ -7,10 +7,11 @@
 #   OUT=/tmp/gpu bash scripts/gpu-check.sh            # the CUDA checks and benchmarks
 #   OUT=/tmp/gpu DEVICE=cpu SMALL=1 bash scripts/gpu-check.sh   # a dry run of this script on CPU
 #
-# Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), single-stream peers
-# (transformers generate() and prompt lookup vs this engine's none and dspark), online mixed and
-# online hostile. Writes $OUT/log.txt and $OUT/results.tar.gz (docs/results layout: peers/,
-# online/, hostile/). The limits add up to ~570 s (one device call): `bench online` rewrites its
+# Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), the per-step diagnostic
+# (scripts/gpu-steps.py, device synchronized every step; once as is and once with
+# CUDA_MODULE_LOADING=EAGER, to see what cold kernels cost), single-stream peers (transformers
+# generate() and prompt lookup vs this engine's none and dspark), online mixed and online hostile. Writes $OUT/log.txt (the diagnostic's lines included) and $OUT/results.tar.gz (docs/results
+# layout: peers/, online/, hostile/). The limits add up to ~570 s (one device call): `bench online` rewrites its
 # report after every concurrency level, so a step stopped at its limit still leaves the levels it finished.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,25 +31,31 @@ step() {  # step LIMIT_S CMD...: run one step, log its output, never stop the sc
 }
 
 if [ "$SMALL" = 1 ]; then
-  PEERS="--num-prompts 1 --max-tokens 16"; ONLINE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"
-  HOSTILE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"; LIMIT=300
+  STEPS="--max-tokens 16"; PEERS="--num-prompts 1 --max-tokens 16"; ONLINE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"
+  HOSTILE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"; LIMIT=300; HLIMIT=300
 else
-  PEERS="--num-prompts 2 --max-tokens 128 --repeats 2"
+  STEPS="--max-tokens 96"; PEERS="--num-prompts 2 --max-tokens 128 --repeats 2"
   ONLINE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"
-  HOSTILE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"; LIMIT=230
+  HOSTILE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"; LIMIT=150; HLIMIT=90
 fi
 
 { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   python3 -c "import sys, torch, transformers; print(sys.version.split()[0], torch.__version__, transformers.__version__)"
 } >>"$log" 2>&1
 [ "$DEVICE" = cuda ] && step 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
+for c in 1 16; do
+  # shellcheck disable=SC2086
+  step 35 python3 scripts/gpu-steps.py --device "$DEVICE" --concurrency $c $STEPS
+  # shellcheck disable=SC2086
+  step 35 env CUDA_MODULE_LOADING=EAGER python3 scripts/gpu-steps.py --device "$DEVICE" --concurrency $c $STEPS
+done
 # shellcheck disable=SC2086
 step 140 python3 -m dspark bench peers --device "$DEVICE" --profile refresh $PEERS --out "$OUT/r/peers"
 # shellcheck disable=SC2086
 step "$LIMIT" python3 -m dspark bench online --device "$DEVICE" --profile refresh \
   --configs "none;mtp:static:1;dspark:static:7;dspark:dspark" $ONLINE --out "$OUT/r/online"
 # shellcheck disable=SC2086
-step 150 python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile \
+step "$HLIMIT" python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile \
   --configs "none;dspark:static:7;dspark:dspark" $HOSTILE --out "$OUT/r/hostile"
 tar czf "$OUT/results.tar.gz" -C "$OUT" r
 echo "=== $(date -u +%T) done" | tee -a "$log"

@@ -15,7 +15,4 @@ import torch
 
 def upload(data, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tensor of `data` (a list, or a host tensor) on `device`."""
-    host = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    if dtype is not None and host.dtype != dtype:
-        host = host.to(dtype)
-    return host.to(device, non_blocking=True)
+    return torch.as_tensor(data, dtype=dtype).to(device, non_blocking=True)

@@ -88,7 +88,7 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:  # 
     """Temperature, top-k, top-p (in that order), then softmax; greedy rows are one-hot."""
     if rows.all_greedy:
         return one_hot(logits)
-    greedy = upload(rows.greedy, logits.device) if any(rows.greedy) else None
+    greedy = rows.temperature == 0 if any(rows.greedy) else None  # derived on the device: nothing to upload
     temperature = rows.temperature if greedy is None else torch.where(greedy, 1.0, rows.temperature)
     scaled = logits / temperature[:, None]
     probs = _filtered(scaled, rows.top_p, rows.top_k) if rows.filtered else scaled.softmax(-1)

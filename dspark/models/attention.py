@@ -29,7 +29,6 @@ class AttentionMetadata:
     positions: torch.Tensor  # [N] absolute position of each new token
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
     query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
-    query_valid: torch.Tensor  # [R, Q] bool, False on padding
     query_rows: torch.Tensor  # [N] long: the valid entries of the flattened [R, Q] grid, in order
     kv_slots: torch.Tensor  # [R, K] cache slot of request r's j-th context token (0 = pad)
     mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
@@ -75,7 +74,6 @@ class AttentionMetadata:
             positions=upload(positions, device),
             slot_mapping=upload(slot_mapping, device),
             query_index=upload(query_index, device),
-            query_valid=upload(query_valid, device),
             query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
             kv_slots=upload(kv_slots, device),
             mask=upload(mask[:, None], device),

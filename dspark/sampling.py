@@ -127,3 +127,11 @@ def sample(probs: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.G
         for i, gen in enumerate(generators):
             noise[i].exponential_(generator=gen)
     return (probs / noise.clamp_min_(1e-30)).argmax(-1)
+
+
+def draw(logits: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of logits [M, V]: `sample(probabilities(...))`, or straight the argmax
+    when every row is greedy (the same token, without building one-hot rows first)."""
+    if rows.all_greedy:
+        return logits.argmax(-1)
+    return sample(probabilities(logits, rows), rows, generators)

@@ -8,7 +8,7 @@ import torch
 
 from dspark.spec.profile import StepProfile
 from dspark.spec.round import Gate, GateConfig
-from dspark.spec.schedule import algorithm1, candidates
+from dspark.spec.schedule import algorithm1, candidates, uniform_candidates
 from dspark.spec.stats import AcceptanceStats
 
 GAMMA = 4
@@ -121,3 +121,86 @@ def test_a_closed_gate_withholds_draft_slots_between_probes():
             gate.withheld(1, GAMMA)
     assert drafted == [1, 5, 13, 21, 29, 37]
     assert with_slots == [0, *drafted]  # the first step (no verdict yet), then only the probes
+
+
+def test_uniform_candidates_match_the_general_sort():
+    """The gate's plain-Python candidates (one shared confidence row) are the general
+    `candidates` of that row repeated, in the same order, ties included."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        row = (torch.rand(GAMMA, generator=gen) * 0.98 + 0.01).tolist()
+        if trial % 5 == 0:
+            row = [0.5] * GAMMA  # equal survivals across requests at every position
+        caps = torch.randint(0, GAMMA + 1, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        assert uniform_candidates(row, caps) == candidates(torch.tensor([row] * len(caps)), caps)
+
+
+def test_the_online_correction_scales_every_batch_shape_alike():
+    """Serving observes plain one-token steps all the time and drafted shapes rarely; a machine
+    1.5x slower than at start-up must raise the cost of both, or drafting looks cheap."""
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.006] * 2)
+    before = prof.verify(1), prof.verify(8), prof.draft(1)
+    for _ in range(200):
+        prof.observe_verify(1, 0.015)
+    after = prof.verify(1), prof.verify(8), prof.draft(1)
+    assert abs(after[0] / before[0] - 1.5) < 0.01 and abs(after[1] / before[1] - 1.5) < 0.01
+    assert after[2] == before[2]  # the drafter's curve has its own scale
+    prof.observe_draft(8, 0.06)  # a proposal that caught up a long pending context: 10x, the clip
+    assert prof.draft(1) > before[2] and prof.draft_scale <= 1 + prof.smoothing * 9 + 1e-9
+    cached = StepProfile.from_json(prof.to_json())
+    assert cached.verify(8) == prof.verify(8)
+
+
+def test_a_profile_cached_with_per_bucket_corrections_still_loads():
+    import json
+
+    raw = json.loads(StepProfile("old", tokens=[1, 8], verify_s=[0.01, 0.02]).to_json())
+    raw.pop("verify_scale"), raw.pop("draft_scale")
+    raw.update(verify_fix={"0": 1.3}, draft_fix={})
+    assert StepProfile.from_json(json.dumps(raw)).verify(1) == 0.01
+
+
+def test_untried_positions_follow_the_position_before_them():
+    """Hostile traffic rejects position 1 and never tries the deep ones: their estimates must
+    not stay at the prior 0.5 (that made the gate open on survival it had never seen)."""
+    s = AcceptanceStats(GAMMA)
+    for _ in range(100):
+        s.update([GAMMA], [0])  # position 1 tried and rejected; 2..GAMMA never tried
+    c = s.conditional()
+    assert c[0] < 0.05 and all(abs(x - c[0]) < 1e-9 for x in c[1:])
+    assert s.observed()[1:] == [None] * (GAMMA - 1)
+
+
+def test_lower_estimates_tighten_with_evidence():
+    few, many = AcceptanceStats(GAMMA), AcceptanceStats(GAMMA)
+    few.update([GAMMA] * 2, [GAMMA] * 2)
+    for _ in range(300):
+        many.update([GAMMA], [GAMMA - 1])
+    for s in (few, many):
+        assert all(lo < c for lo, c in zip(s.lower(), s.conditional(), strict=True))
+    gap = lambda s: s.conditional()[0] - s.lower()[0]  # noqa: E731
+    assert gap(many) < 0.05 < gap(few)
+
+
+def test_a_few_lucky_probes_do_not_open_the_gate():
+    """Two probe requests that accepted everything are not evidence enough to draft for every
+    request; the same acceptance over many observations is."""
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.015] * 2)
+    lucky = AcceptanceStats(GAMMA)
+    lucky.update([GAMMA] * 2, [GAMMA] * 2)
+    steady = AcceptanceStats(GAMMA)
+    for _ in range(100):
+        steady.update([GAMMA] * 2, [GAMMA] * 2)
+    assert algorithm1(uniform_candidates(lucky.conditional(), [GAMMA] * 4), 4, 0, prof.cost) > 0  # trusting it: open
+    assert not Gate(GateConfig(probe_every=1000), lucky, prof).should_draft(4, [GAMMA] * 4)
+    assert Gate(GateConfig(probe_every=1000), steady, prof).should_draft(4, [GAMMA] * 4)
+
+
+def test_a_noisy_profile_point_takes_the_value_after_it():
+    """Noise only adds time: a one-token forward timed slower than a two-token one was disturbed,
+    and left so it made verifying drafts look cheaper than plain decoding at one request."""
+    prof = StepProfile("test", tokens=[1, 2, 4, 8], verify_s=[0.0108, 0.0082, 0.0091, 0.0090],
+                       requests=[1, 2], draft_s=[0.008, 0.007])
+    assert prof.verify_s == [0.0082, 0.0082, 0.0090, 0.0090]
+    assert prof.draft_s == [0.007, 0.007]
+    assert all(prof.verify(b) <= prof.verify(b + 1) for b in range(1, 12))

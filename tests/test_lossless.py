@@ -15,7 +15,7 @@ import itertools
 import pytest
 import torch
 
-from dspark.sampling import SamplingParams, SamplingRows, probabilities, sample
+from dspark.sampling import SamplingParams, SamplingRows, draw, probabilities, sample
 from dspark.spec.schedule import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
 from dspark.spec.verify import verify
 
@@ -155,6 +155,17 @@ def test_greedy_verification_rule():
     assert verdict.num_accepted == [2] and verdict.tokens == [[2, 1, 1]]  # bonus after a full prefix
     verdict = verify(tokens, draft, target, torch.tensor([0]), [None])
     assert verdict.num_accepted == [0] and verdict.tokens == [[2]]
+
+
+def test_draw_takes_the_argmax_of_greedy_rows_and_samples_the_rest():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    greedy = SamplingRows.same(6, SamplingParams(temperature=0.0))
+    assert torch.equal(draw(logits, greedy, [None] * 6), sample(probabilities(logits, greedy), greedy, [None] * 6))
+    mixed = SamplingRows.build([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)] * 3)
+    gens = [torch.Generator().manual_seed(7) for _ in range(6)]
+    again = [torch.Generator().manual_seed(7) for _ in range(6)]
+    assert torch.equal(draw(logits, mixed, gens), sample(probabilities(logits, mixed), mixed, again))
+    assert torch.equal(draw(logits, mixed, gens)[::2], logits.argmax(-1)[::2])
 
 
 @pytest.mark.parametrize("seeded", [False, True])

@@ -19,7 +19,7 @@ from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.kv_cache import PagedKVCache
 from dspark.models.qwen3 import CausalLM, ForwardOutput
-from dspark.sampling import SamplingRows, probabilities, sample
+from dspark.sampling import SamplingRows, draw
 
 
 @dataclass
@@ -92,7 +92,7 @@ class ModelRunner:
         reqs = [r for _, r in sampling]
         logits = out.logits[upload([batch.cu_logits[i] for i, _ in sampling], self.device)]
         rows = sampling_rows(reqs, [1] * len(reqs), self.device)
-        tokens = sample(probabilities(logits, rows), rows, [r.generator for r in reqs])
+        tokens = draw(logits, rows, [r.generator for r in reqs])
         host = tokens.tolist()  # one device-to-host copy for the whole batch
         for j, r in enumerate(reqs):
             result.tokens[r.request_id] = [host[j]]

@@ -3,8 +3,11 @@ for R requests, so schedulers maximise tokens per second of the whole step.
 
 Measured at engine start (warm-up, then timed runs on a grid up to the token budget, at a
 representative context length), interpolated, cached on disk per model / drafter / device
-/ dtype / threads, and corrected while serving: every measured step updates a smoothed
-factor for its grid bucket, since a start-up profile drifts with heat, context and load.
+/ dtype / threads, and corrected while serving: every measured step updates one smoothed
+scale per curve, since a start-up profile drifts with heat, context and load, and that drift
+moves every batch shape alike. (A scale per grid bucket learned the cost of the shapes that
+run all the time, plain steps, and kept the start-up cost of the drafted shapes that rarely
+run: a biased comparison that opened the gate on hostile traffic.)
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 """
@@ -35,6 +38,15 @@ def interp(xs: list[int], ys: list[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def nondecreasing(ys: list[float]) -> list[float]:
+    """Each value lowered to the least of it and every value after it."""
+    out, low = [], float("inf")
+    for y in reversed(ys):
+        low = min(low, y)
+        out.append(low)
+    return out[::-1]
+
+
 @dataclass
 class StepProfile:
     key: str
@@ -43,16 +55,22 @@ class StepProfile:
     requests: list[int] = field(default_factory=lambda: [1])  # grid of R
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # seconds per proposal for R requests
     smoothing: float = 0.05
-    verify_fix: dict[int, float] = field(default_factory=dict)  # grid index -> measured/profiled
-    draft_fix: dict[int, float] = field(default_factory=dict)
+    verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed
+    draft_scale: float = 1.0  # the same for drafter proposals (catching up pending context included)
+
+    def __post_init__(self) -> None:
+        # more tokens (requests) never cost less: a point measured above a later one was slowed by
+        # something else on the machine (noise only ever adds time), so it takes the later value;
+        # a noisy one-token point above the two-token one made drafting look free at one request
+        self.verify_s, self.draft_s = nondecreasing(self.verify_s), nondecreasing(self.draft_s)
 
     def verify(self, b: int) -> float:
-        return interp(self.tokens, self.verify_s, b) * self.verify_fix.get(self._bucket(self.tokens, b), 1.0)
+        return interp(self.tokens, self.verify_s, b) * self.verify_scale
 
     def draft(self, r: int) -> float:
         if r <= 0:
             return 0.0
-        return interp(self.requests, self.draft_s, r) * self.draft_fix.get(self._bucket(self.requests, r), 1.0)
+        return interp(self.requests, self.draft_s, r) * self.draft_scale
 
     def cost(self, r: int, b: int) -> float:
         """Seconds of a speculative step: draft for r requests, verify b tokens."""
@@ -61,23 +79,17 @@ class StepProfile:
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    @staticmethod
-    def _bucket(grid: list[int], x: float) -> int:
-        return min(range(len(grid)), key=lambda i: abs(grid[i] - x))
-
     def observe_verify(self, b: int, seconds: float) -> None:
-        self._observe(self.verify_fix, self.tokens, self.verify_s, b, seconds)
+        self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
     def observe_draft(self, r: int, seconds: float) -> None:
-        self._observe(self.draft_fix, self.requests, self.draft_s, r, seconds)
+        self.draft_scale = self._smoothed(self.draft_scale, interp(self.requests, self.draft_s, r), seconds)
 
-    def _observe(self, fix: dict[int, float], grid, values, x: int, seconds: float) -> None:
-        base = interp(grid, values, x)
-        if base <= 0 or seconds <= 0:
-            return
-        i = self._bucket(grid, x)
-        ratio = min(10.0, max(0.1, seconds / base))
-        fix[i] = (1 - self.smoothing) * fix.get(i, 1.0) + self.smoothing * ratio
+    def _smoothed(self, scale: float, profiled: float, seconds: float) -> float:
+        if profiled <= 0 or seconds <= 0:
+            return scale
+        ratio = min(10.0, max(0.1, seconds / profiled))
+        return (1 - self.smoothing) * scale + self.smoothing * ratio
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -85,8 +97,8 @@ class StepProfile:
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
         raw = json.loads(text)
-        raw["verify_fix"] = {int(k): v for k, v in raw.get("verify_fix", {}).items()}
-        raw["draft_fix"] = {int(k): v for k, v in raw.get("draft_fix", {}).items()}
+        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections of profiles cached before session 6
+            raw.pop(old, None)
         return cls(**raw)
 
 

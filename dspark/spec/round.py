@@ -23,11 +23,12 @@ import torch
 from dspark.device import upload
 from dspark.drafters.base import ContextRow, DraftBlock, Drafter, ProposeInput
 from dspark.engine.batch import BatchRow
+from dspark.engine.request import Request
 from dspark.engine.runner import ModelRunner, StepResult, sampling_rows, token_logprobs
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.sampling import probabilities
 from dspark.spec.profile import StepProfile
-from dspark.spec.schedule import NoSpeculation, Policy, algorithm1, candidates
+from dspark.spec.schedule import NoSpeculation, Policy, algorithm1, uniform_candidates
 from dspark.spec.stats import AcceptanceStats
 from dspark.spec.verify import verify
 
@@ -39,6 +40,8 @@ class GateConfig:
     probe_max: int = 256  # a probe costs about two plain steps: <1% of steps once the gate has settled
     recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
     probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
+    caution: float = 1.0  # standard errors taken off the acceptance estimates before judging: opening
+    # on a few lucky probe observations drafts for every request, a loss when the luck does not hold
 
 
 class Gate:
@@ -121,10 +124,9 @@ class Gate:
         return verdict
 
     def predict(self, num_requests: int, caps: Sequence[int]) -> bool:
-        """Algorithm 1 on the running acceptance estimates: does its best budget beat plain?"""
+        """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?"""
         assert self.profile is not None
-        conf = torch.tensor([self.stats.conditional()] * num_requests)
-        cands = candidates(conf, caps)
+        cands = uniform_candidates(self.stats.lower(self.cfg.caution), caps)
         admitted = algorithm1(cands, num_requests, 0, self.profile.cost)
         gain = sum(c.survival for c in cands[:admitted])
         spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + admitted)
@@ -177,10 +179,11 @@ class SpecRunner:
                 caps = [s.num_lookahead for s in decode]
         if not drafting:
             decode = []  # every request takes the plain path; the drafter is not called
-        plain = [s for s in scheduled if not any(s is d for d in decode)]
+        drafted_ids = {id(s) for s in decode}
+        plain = [s for s in scheduled if id(s) not in drafted_ids]
         block, lengths = None, [0] * len(decode)
         if decode:
-            self.drafter.extend(self.pending.take([s.request.request_id for s in decode]))
+            self.drafter.extend(self.pending.take([s.request for s in decode]))
             block = self._propose(decode)
             result.times["draft"] = time.perf_counter() - t0
             lengths = self._choose(block, caps, other_tokens)
@@ -263,14 +266,16 @@ class SpecRunner:
         keeps = [result.num_computed[s.request.request_id] - s.request.num_computed for s in ordered]
         feats: Sequence[torch.Tensor | None] = [None] * len(ordered)
         if out.taps is not None:
-            # one gather of the kept rows (a copy: views of the step's whole tapped tensor would keep it
-            # alive until every request drafts), then cheap views of that copy, one per request
-            flat = [batch.offsets[i] + k for i, keep in enumerate(keeps) for k in range(keep)]
-            kept = out.taps[upload(flat, out.taps.device, torch.long)]
-            feats = kept.split(keeps)
-        for i, (s, keep) in enumerate(zip(ordered, keeps, strict=True)):
-            req = s.request
-            self.pending.add(ContextRow(req.request_id, req.num_computed, list(batch.rows[i].tokens[:keep]), feats[i]))
+            kept = out.taps
+            if sum(keeps) != batch.num_tokens:
+                # rejected draft rows: one gather of the kept rows (a copy: views of the step's whole
+                # tapped tensor would keep the rejected rows alive until every request drafts)
+                flat = [batch.offsets[i] + k for i, keep in enumerate(keeps) for k in range(keep)]
+                kept = out.taps[upload(flat, out.taps.device, torch.long)]
+            # else every row is kept whole (an undrafted step): the tapped tensor is the kept rows
+            feats = kept.split(keeps)  # cheap views, one per request
+        for s, keep, feat in zip(ordered, keeps, feats, strict=True):
+            self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool) -> None:
         self.steps += 1
@@ -284,24 +289,33 @@ class SpecRunner:
 
 class PendingContext:
     """Committed tokens whose features the drafter has not received yet. Handing them over
-    lazily keeps undrafted steps (gate closed, hostile prompts) free of drafter work."""
+    lazily keeps undrafted steps (gate closed, hostile prompts) free of drafter work; each step
+    adds one feature chunk per request (the token ids are the request's own, read at hand-over)."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, list[ContextRow]] = {}
+        self.rows: dict[str, tuple[int, list[int], list[torch.Tensor | None]]] = {}  # id -> (start, sizes, chunks)
 
-    def add(self, row: ContextRow) -> None:
-        if row.token_ids:
-            self.rows.setdefault(row.seq_id, []).append(row)
+    def add(self, seq_id: str, start: int, num_tokens: int, features: torch.Tensor | None) -> None:
+        if num_tokens <= 0:
+            return
+        entry = self.rows.get(seq_id)
+        if entry is None:
+            self.rows[seq_id] = (start, [num_tokens], [features])
+        else:
+            entry[1].append(num_tokens)
+            entry[2].append(features)
 
     def drop(self, seq_id: str) -> None:
         self.rows.pop(seq_id, None)
 
-    def take(self, seq_ids: Sequence[str]) -> list[ContextRow]:
+    def take(self, requests: Sequence[Request]) -> list[ContextRow]:
         """One merged row per request (features concatenated), removed from the queue."""
         out = []
-        for sid in seq_ids:
-            parts = self.rows.pop(sid, [])
-            if parts:
-                feats = None if parts[0].features is None else torch.cat([p.features for p in parts])
-                out.append(ContextRow(sid, parts[0].start, [t for p in parts for t in p.token_ids], feats))
+        for req in requests:
+            entry = self.rows.pop(req.request_id, None)
+            if entry is None:
+                continue
+            start, sizes, chunks = entry
+            feats = None if chunks[0] is None else torch.cat(chunks) if len(chunks) > 1 else chunks[0]
+            out.append(ContextRow(req.request_id, start, req.all_ids[start : start + sum(sizes)], feats))
         return out

@@ -4,18 +4,26 @@ Position k is *tried* when it was verified and every earlier position was accept
 *accepted* when it passed. The ratio, with exponential forgetting, estimates
 c_k = P(x_k accepted | x_1..x_{k-1} accepted) for drafters without a confidence head, and
 predicts whether drafting pays at all (the never-slower gate).
+
+Few observations reach deep positions when early ones are rejected (hostile traffic tries
+position 4 almost never), so each estimate is shrunk toward the one before it, not toward a
+fixed 0.5: without evidence, position k is assumed to accept like position k - 1. `lower`
+is the estimate less its standard error, for decisions that must not trust a handful of
+lucky probes (the gate opening for every request on three observations).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 
 class AcceptanceStats:
     def __init__(self, gamma: int, decay: float = 0.995, prior: float = 0.5, prior_weight: float = 2.0) -> None:
         self.gamma, self.decay = gamma, decay
-        self.tried = [prior_weight] * gamma
-        self.accepted = [prior * prior_weight] * gamma
+        self.prior, self.prior_weight = prior, prior_weight
+        self.tried = [0.0] * gamma  # decayed observations (the prior is added when read)
+        self.accepted = [0.0] * gamma
         self.total_tried = [0] * gamma  # undecayed counts, for reporting
         self.total_accepted = [0] * gamma
         self.version = 0  # bumped by every update, so callers can cache what they derive
@@ -32,8 +40,18 @@ class AcceptanceStats:
                 self.total_accepted[k] += 1 if k < n else 0
 
     def conditional(self) -> list[float]:
-        """Estimated c_1..c_gamma, clipped away from 0 and 1."""
-        return [min(0.99, max(0.01, a / t)) for a, t in zip(self.accepted, self.tried, strict=True)]
+        """Estimated c_1..c_gamma, each shrunk toward the previous one, clipped away from 0 and 1."""
+        out, mean, w = [], self.prior, self.prior_weight
+        for a, t in zip(self.accepted, self.tried, strict=True):
+            mean = min(0.99, max(0.01, (a + w * mean) / (t + w)))
+            out.append(mean)
+        return out
+
+    def lower(self, z: float = 1.0) -> list[float]:
+        """`conditional` less z standard errors (binomial, on the observations plus the prior's weight)."""
+        w = self.prior_weight
+        return [min(0.99, max(0.01, c - z * math.sqrt(c * (1 - c) / (t + w))))
+                for c, t in zip(self.conditional(), self.tried, strict=True)]
 
     def observed(self) -> list[float | None]:
         """Undecayed conditional acceptance per position (None where never tried)."""

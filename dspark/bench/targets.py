@@ -3,7 +3,7 @@
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
 compares configurations measured side by side), and the repeat checks in its subdirectories
-(`REPEAT_CHECKS`: one concurrency, `none` and dspark:dspark only, six runs each, for the cells where
+(`REPEAT_CHECKS`: one concurrency, `none` and dspark:dspark only, eight runs each, for the cells where
 two runs are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
 target's measured value, its bar, met or missed, and the file it came from. Nothing is
 measured here; a missing file leaves its targets "not measured".

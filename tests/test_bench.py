@@ -167,12 +167,13 @@ def test_offline_reads_a_prompts_file(qwen3_dir, tmp_path):
     assert data["threshold_sweep"] == [] and "mine:math" in (tmp_path / "out" / "offline.md").read_text()
 
 
-@pytest.mark.parametrize("workload", ["mixed", "hostile"])
-def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
+@pytest.mark.parametrize("workload, lockstep", [("mixed", False), ("hostile", False), ("mixed", True)])
+def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
     configs = f"none;ngram:static:7;{dspark_dir}:dspark;mtp:static:1"
     s = online.OnlineSettings(model=str(qwen3_dir), configs=configs, concurrency=(1, 2), requests_per_client=1,
                               workload=workload, datasets=("gsm8k", "mt-bench"), num_prompts=2,
-                              hostile_prompt_tokens=24, max_tokens=8, ignore_eos=True, profile="off", device="cpu")
+                              hostile_prompt_tokens=24, max_tokens=8, ignore_eos=True, profile="off", device="cpu",
+                              lockstep=lockstep)
     online.run(s, tmp_path)
     suffix = "" if workload == "mixed" else "-hostile"
     data = stamped(tmp_path / f"online{suffix}.json")
@@ -192,6 +193,7 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload):
     assert data["frontier"]["reference"] == "none" and len(data["frontier"]["sla"]) >= 1
     md = (tmp_path / f"online{suffix}.md").read_text()
     assert "Ratios vs `none`" in md and "SLA" in md and "matched" in md and workload in md
+    assert ("lockstep" in md) == lockstep and data["settings"]["lockstep"] == lockstep
     assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 
@@ -293,6 +295,62 @@ def test_closed_loop_keeps_clients_busy_and_cleans_up(qwen3_dir):
     assert engine.kv.pool.num_used_blocks == 0 and not engine.requests and not engine.has_unfinished()
     with pytest.raises(ValueError):
         closed_loop(engine, jobs, 1, params)
+
+
+def test_virtual_clock_runs_only_while_started():
+    import time
+
+    from dspark.bench.loop import VirtualClock
+
+    clock = VirtualClock()
+    time.sleep(0.02)
+    assert clock() == 0.0
+    clock.run()
+    time.sleep(0.02)
+    clock.stop()
+    spent = clock()
+    time.sleep(0.02)
+    assert clock() == spent and 0.015 < spent < 0.5
+
+
+def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
+    """Two engines stepped in turn: each serves its load exactly as it would alone (same greedy
+    tokens), and each loop's clock -- and every request timestamp the engine took from it --
+    counts only that engine's work: a loop whose engine sleeps 30 ms a step does not slow the
+    other's clock, while a shared wall clock would charge it every one of those sleeps."""
+    import time
+
+    from dspark.bench.loop import ClosedLoop, closed_loop, run_loops
+    from dspark.bench.workload import engine_config
+    from dspark.engine.factory import build_engine
+    from dspark.models.tokenizer import TextTokenizer
+    from dspark.sampling import SamplingParams
+
+    cfg = engine_config(qwen3_dir, 2, 64, "cpu")
+    fast, slow = build_engine(qwen3_dir, None, "none", cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg)
+    real_step = slow.step
+
+    def sleepy_step():
+        time.sleep(0.03)
+        return real_step()
+
+    slow.step = sleepy_step
+    jobs = hostile(TextTokenizer.from_dir(qwen3_dir), 3, 12)
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # noqa: E731
+    alone = closed_loop(fast, jobs, 2, params, per_client=2)
+    a, b = run_loops([ClosedLoop(fast, jobs, 2, params, per_client=2), ClosedLoop(slow, jobs, 2, params, per_client=2)])
+    assert len(a.outputs) == len(b.outputs) == 4 and a.steps == alone.steps
+    assert b.wall_s >= 0.03 * b.steps and a.wall_s < 0.03 * b.steps / 2
+    assert all(o["latency_s"] <= a.wall_s + 1e-9 for o in a.outputs)
+    assert fast.clock is time.perf_counter and slow.clock is time.perf_counter  # restored after the run
+    with pytest.raises(ValueError, match="engine each"):
+        run_loops([ClosedLoop(fast, jobs, 1, params, per_client=1), ClosedLoop(fast, jobs, 1, params, per_client=1)])
+
+
+def test_lockstep_refuses_servers():
+    s = online.OnlineSettings(url="http://127.0.0.1:9", lockstep=True)
+    with pytest.raises(ValueError, match="lockstep"):
+        online.run(s, "/nonexistent")
 
 
 def test_repeated_runs_merge_into_one_row():

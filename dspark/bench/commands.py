@@ -67,6 +67,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--requests-per-client", type=int, default=None, help="default 4")
     n.add_argument("--duration", type=float, default=None, help="send for this many seconds instead")
     n.add_argument("--repeats", type=int, default=None, help="runs per config and concurrency, rotating order (default 1)")
+    n.add_argument("--lockstep", action="store_true",
+                   help="within each run, step every config's engine in turn, each timed on its own clock "
+                        "(all see the same machine at every moment; in-process only)")
     n.add_argument("--workload", choices=["mixed", "hostile"], default="mixed")
     n.add_argument("--datasets", type=_names, default=None)
     n.add_argument("--prompts", default=None, help="a JSONL prompts file instead of the shipped sets")
@@ -135,7 +138,7 @@ def run_online(args: argparse.Namespace) -> int:
                          duration_s="duration", repeats="repeats", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", url="url"))
     fields.update(workload=args.workload, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-                  profile=args.profile)
+                  profile=args.profile, lockstep=args.lockstep)
     for field, arg in (("concurrency", "concurrency"), ("datasets", "datasets"), ("slas", "sla")):
         if getattr(args, arg) is not None:
             fields[field] = tuple(getattr(args, arg))

@@ -1,13 +1,21 @@
-"""Closed-loop load on an in-process engine: C clients, each sending its next request the
+"""Closed-loop load on in-process engines: C clients, each sending its next request the
 moment its previous one finishes, so C requests are always in flight (until the end).
 
     result = closed_loop(engine, jobs, concurrency=8, per_client=4, params=lambda i: SamplingParams(...))
+    results = run_loops([ClosedLoop(plain, ...), ClosedLoop(spec, ...)])   # lockstep
 
-Drives one `LLMEngine` with `add_request` / `step` only (no server), sampling after every
-step the target KV blocks in use and the drafter's cache bytes, and the process's peak
-resident memory over the run (the kernel's high-water mark, reset at the start where
-/proc/self/clear_refs allows; otherwise the process-lifetime peak, and it says so).
-Not a command: `dspark bench online` calls it (online.py).
+A `ClosedLoop` drives one `LLMEngine` with `add_request` / `step` only (no server), one
+`advance()` (one engine step, then refills) at a time, sampling after every step the target
+KV blocks in use and the drafter's cache bytes. Its time is a `VirtualClock` that runs only
+inside `advance()`, and the engine stamps its requests (arrival, first token, finish) with
+that clock. So `run_loops` can step several loops in turn -- lockstep: one step of each
+engine, round after round -- and each still measures only its own work, while all of them
+see the same machine at every moment (a noisy neighbour slows them alike, instead of
+landing on whichever configuration ran its whole pass at the time). Alone, a loop's clock
+is the wall time of its run. `run_loops` also records the process's peak resident memory
+(the kernel's high-water mark, reset at the start where /proc/self/clear_refs allows;
+otherwise the process-lifetime peak, and it says so). Not a command: `dspark bench online`
+calls it (online.py).
 """
 
 from __future__ import annotations
@@ -55,58 +63,125 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
-def closed_loop(engine, jobs: Sequence[Job], concurrency: int, params: Callable[[int], object],
-                per_client: int | None = None, duration_s: float | None = None,
-                on_finish: Callable[[], None] | None = None) -> LoopResult:
-    """Run until every client has sent per_client requests (or until duration_s has passed
-    at send time) and all of them finished. Jobs are used round-robin."""
-    if (per_client is None) == (duration_s is None):
-        raise ValueError("give exactly one of per_client and duration_s")
-    res = LoopResult(rss_scope=reset_peak_rss())
-    cuda = engine.model.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    live: dict[str, tuple[int, Job]] = {}
-    sent = [0] * concurrency
-    counter = 0
-    start = time.perf_counter()
+class VirtualClock:
+    """Seconds that pass only between `run()` and `stop()`; calling it reads the time."""
 
-    def send(client: int) -> None:
-        nonlocal counter
-        if per_client is not None and sent[client] >= per_client:
-            return
-        if duration_s is not None and time.perf_counter() - start >= duration_s:
-            return
-        job = jobs[counter % len(jobs)]
-        req = engine.add_request(job.ids, params(counter))
-        live[req.request_id] = (client, job)
-        sent[client] += 1
-        counter += 1
+    def __init__(self) -> None:
+        self.elapsed = 0.0
+        self._since: float | None = None
 
-    for c in range(concurrency):
-        send(c)
-    idle = 0
-    while live:
+    def __call__(self) -> float:
+        return self.elapsed + (0.0 if self._since is None else time.perf_counter() - self._since)
+
+    def run(self) -> None:
+        self._since = time.perf_counter()
+
+    def stop(self) -> None:
+        self.elapsed, self._since = self(), None
+
+
+class ClosedLoop:
+    """C closed-loop clients on one engine, advanced one engine step at a time. Stops when every
+    client has sent per_client requests (or, at send time, duration_s of its clock have passed)
+    and all of them finished. Jobs are used round-robin."""
+
+    def __init__(self, engine, jobs: Sequence[Job], concurrency: int, params: Callable[[int], object],
+                 per_client: int | None = None, duration_s: float | None = None,
+                 on_finish: Callable[[], None] | None = None) -> None:
+        if (per_client is None) == (duration_s is None):
+            raise ValueError("give exactly one of per_client and duration_s")
+        if concurrency < 1 or not jobs:
+            raise ValueError("a closed loop needs at least one client and one job")
+        self.engine, self.jobs, self.concurrency, self.params = engine, jobs, concurrency, params
+        self.per_client, self.duration_s, self.on_finish = per_client, duration_s, on_finish
+        self.clock = VirtualClock()
+        self.result = LoopResult()
+        self.live: dict[str, tuple[int, Job]] = {}
+        self.sent = [0] * concurrency
+        self.counter = 0
+        self.idle = 0
+
+    def begin(self) -> None:
+        self._timed(lambda: [self._send(c) for c in range(self.concurrency)])
+
+    def advance(self) -> bool:
+        """One engine step and the refills it causes; False once nothing is in flight."""
+        if self.live:
+            self._timed(self._step)
+        return bool(self.live)
+
+    def end(self) -> LoopResult:
+        self.result.wall_s = self.clock.elapsed
+        return self.result
+
+    def _timed(self, work: Callable[[], object]) -> None:
+        saved, self.engine.clock = self.engine.clock, self.clock
+        self.clock.run()
+        try:
+            work()
+            if self.engine.model.device.type == "cuda":
+                torch.cuda.synchronize()  # the step's queued kernels belong to this loop's time
+        finally:
+            self.clock.stop()
+            self.engine.clock = saved
+
+    def _send(self, client: int) -> None:
+        if self.per_client is not None and self.sent[client] >= self.per_client:
+            return
+        if self.duration_s is not None and self.clock() >= self.duration_s:
+            return
+        job = self.jobs[self.counter % len(self.jobs)]
+        req = self.engine.add_request(job.ids, self.params(self.counter))
+        self.live[req.request_id] = (client, job)
+        self.sent[client] += 1
+        self.counter += 1
+
+    def _step(self) -> None:
+        engine, res = self.engine, self.result
         touched = engine.step()
         res.steps += 1
         res.peak_kv_blocks = max(res.peak_kv_blocks, engine.kv.pool.num_used_blocks)
         if engine.drafter is not None:
             res.peak_drafter_cache_bytes = max(res.peak_drafter_cache_bytes, engine.drafter.cache_bytes_in_use())
-        idle = 0 if touched else idle + 1
-        if idle > 1000:
-            raise RuntimeError(f"the engine made no progress in 1000 steps with {len(live)} requests in flight")
+        self.idle = 0 if touched else self.idle + 1
+        if self.idle > 1000:
+            raise RuntimeError(f"the engine made no progress in 1000 steps with {len(self.live)} requests in flight")
         for req in touched:
             if not req.is_finished:
                 continue
-            client, job = live.pop(req.request_id)
+            client, job = self.live.pop(req.request_id)
             out = engine.output(req)
             engine.requests.pop(req.request_id, None)
             res.outputs.append({**out.stats, "dataset": job.dataset, "domain": job.domain, "client": client})
-            if on_finish is not None:
-                on_finish()
-            send(client)
-    res.wall_s = time.perf_counter() - start
-    res.peak_rss_bytes = peak_rss_bytes()
+            if self.on_finish is not None:
+                self.on_finish()
+            self._send(client)
+
+
+def run_loops(loops: Sequence[ClosedLoop]) -> list[LoopResult]:
+    """Run the loops to the end in lockstep (one step of each, in the given order, round after
+    round; a loop that has finished drops out) and return their results in the same order."""
+    if len({id(loop.engine) for loop in loops}) != len(loops):
+        raise ValueError("loops run in lockstep need an engine each")
+    scope = reset_peak_rss()
+    cuda = any(loop.engine.model.device.type == "cuda" for loop in loops)
     if cuda:
-        res.peak_gpu_bytes = torch.cuda.max_memory_allocated()
-    return res
+        torch.cuda.reset_peak_memory_stats()
+    for loop in loops:
+        loop.begin()
+    active = list(loops)
+    while active:
+        active = [loop for loop in active if loop.advance()]
+    results = [loop.end() for loop in loops]
+    peak = peak_rss_bytes()
+    gpu = torch.cuda.max_memory_allocated() if cuda else None
+    for res in results:
+        res.rss_scope, res.peak_rss_bytes, res.peak_gpu_bytes = scope, peak, gpu
+    return results
+
+
+def closed_loop(engine, jobs: Sequence[Job], concurrency: int, params: Callable[[int], object],
+                per_client: int | None = None, duration_s: float | None = None,
+                on_finish: Callable[[], None] | None = None) -> LoopResult:
+    """One engine's closed loop, run alone to the end."""
+    return run_loops([ClosedLoop(engine, jobs, concurrency, params, per_client, duration_s, on_finish)])[0]

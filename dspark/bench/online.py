@@ -4,13 +4,16 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
     dspark bench online --configs "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async" \
         --concurrency 1,2,4,8,16,32,64 --requests-per-client 4
     dspark bench online --workload hostile --configs "none;dspark:dspark"   # never slower than none?
+    dspark bench online --lockstep --configs "none;dspark:dspark" --repeats 4  # drift cancelled
     dspark bench online --url http://127.0.0.1:8000,http://127.0.0.1:8001  # running servers
     dspark bench online --quick                                              # ~1 minute smoke run
 
 A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
 engine/factory.py and warmed up; then, at every C in turn, each engine is driven by C
 closed-loop clients (loop.py), the configurations interleaved in an order that rotates per C,
-so machine drift does not land on one configuration. Workloads: `mixed` (math, code and chat
+so machine drift does not land on one configuration; with `--lockstep` the configurations'
+engines instead take one step each in turn within every run, each timed on its own clock, so
+a noisy neighbour slows all of them alike (loop.py). Workloads: `mixed` (math, code and chat
 prompts interleaved, chat-templated) and `hostile` (random token strings: drafts are almost
 always rejected). With `--url` every URL is one configuration (its /v1/models card names
 drafter and policy) and the load goes over HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
@@ -26,7 +29,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark.bench import frontier, plots, report
-from dspark.bench.loop import LoopResult, closed_loop
+from dspark.bench.loop import ClosedLoop, LoopResult, closed_loop, run_loops
 from dspark.bench.prompts import DATASETS
 from dspark.bench.summary import latency, speculation
 from dspark.bench.workload import (
@@ -53,6 +56,7 @@ class OnlineSettings:
     requests_per_client: int | None = 4
     duration_s: float | None = None  # instead of requests_per_client: send until this many seconds
     repeats: int = 1  # runs per configuration and concurrency (rotating order), merged into one row
+    lockstep: bool = False  # step every configuration's engine in turn within one run (loop.py) instead of whole runs in turn
     workload: str = "mixed"  # mixed | hostile
     datasets: tuple[str, ...] = DATASETS
     prompts_file: str | None = None
@@ -104,20 +108,30 @@ def row_for(config: str, c: int, res: LoopResult, extra: dict) -> dict:
             "peak_gpu_mib": None if res.peak_gpu_bytes is None else res.peak_gpu_bytes / MiB, **extra}
 
 
-def measure_one(s: OnlineSettings, sp: Spec, engine, c: int, jobs: list[Job], params) -> dict:
-    """One configuration at concurrency c: closed-loop clients, then the row of the table."""
-    kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
-    runner = engine.runner
-    before = getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)
-    bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"{sp.label} C={c}", leave=False, disable=None)
-    res = closed_loop(engine, jobs, c, params, per_client(s), s.duration_s, lambda b=bar: b.update())
-    bar.close()
-    steps = getattr(runner, "steps", 0) - before[1]
-    drafted = (getattr(runner, "drafted_steps", 0) - before[0]) / steps if steps else None
-    return row_for(sp.label, c, res, {
-        "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
-        "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
-        "drafted_step_fraction": drafted if engine.drafter else None})
+def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs: list[Job], params) -> list[dict]:
+    """The given configurations at concurrency c, each with its own C closed-loop clients, run
+    together in lockstep (one engine step of each in turn; a single one simply runs alone),
+    then one row of the table per configuration."""
+    loops, before, bars = [], [], []
+    for sp, engine in entries:
+        runner = engine.runner
+        before.append((getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)))
+        bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"{sp.label} C={c}", leave=False, disable=None)
+        bars.append(bar)
+        loops.append(ClosedLoop(engine, jobs, c, params, per_client(s), s.duration_s, bar.update))
+    results = run_loops(loops)
+    rows = []
+    for (sp, engine), res, (drafted0, steps0), bar in zip(entries, results, before, bars, strict=True):
+        bar.close()
+        runner = engine.runner
+        steps = getattr(runner, "steps", 0) - steps0
+        drafted = (getattr(runner, "drafted_steps", 0) - drafted0) / steps if steps else None
+        kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
+        rows.append(row_for(sp.label, c, res, {
+            "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
+            "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
+            "drafted_step_fraction": drafted if engine.drafter else None}))
+    return rows
 
 
 COUNTS = ("requests", "completion_tokens", "verified_tokens", "accepted_tokens", "steps")
@@ -186,9 +200,10 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         runs: dict[str, list[dict]] = {label: [] for label in labels}
         for rep in range(s.repeats):
             shift = (level + rep) % len(labels) if labels else 0
-            for label in labels[shift:] + labels[:shift]:  # order rotates, so drift hits every config alike
-                sp, engine = engines[label]
-                runs[label].append(measure_one(s, sp, engine, c, jobs, params))
+            turn = labels[shift:] + labels[:shift]  # the order rotates, so drift hits every config alike
+            for group in [turn] if s.lockstep else [[label] for label in turn]:
+                for row in measure(s, [engines[label] for label in group], c, jobs, params):
+                    runs[row["config"]].append(row)
         rows += [merge_runs(r) for r in runs.values()]
         rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
         if level + 1 < len(s.concurrency):
@@ -221,6 +236,8 @@ def run(s: OnlineSettings, out: str | Path) -> dict:
     from dspark.models.loader import read_config, resolve_model_path
     from dspark.models.tokenizer import TextTokenizer
 
+    if s.lockstep and s.url:
+        raise ValueError("--lockstep steps in-process engines; it cannot pace servers given with --url")
     path = resolve_model_path(s.model)
     jobs = jobs_for(s, TextTokenizer.from_dir(path), read_config(path).max_position_embeddings)
     if s.url:
@@ -278,6 +295,9 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
     if s.repeats > 1:
         load += (f", {s.repeats} runs per configuration and concurrency in rotating order (a row merges them: rates "
                  "averaged, counts summed; tok/s of each run in the last column)")
+    if s.lockstep:
+        load += ("; **lockstep**: within a run every configuration's engine takes one step in turn, each timed on its "
+                 "own clock that runs only while it works (so all see the same machine at every moment)")
     md = [f"# Online closed-loop serving: model `{path.name}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "

@@ -347,6 +347,26 @@ def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
         run_loops([ClosedLoop(fast, jobs, 1, params, per_client=1), ClosedLoop(fast, jobs, 1, params, per_client=1)])
 
 
+def test_engines_share_one_loaded_target(qwen3_dir):
+    """Side-by-side engines on one copy of the target's weights decode exactly as an engine with
+    its own copy; a copy loaded for another dtype is refused."""
+    from dspark.config import EngineConfig
+    from dspark.engine.factory import build_engine
+    from dspark.models.loader import load_model
+    from dspark.sampling import SamplingParams
+
+    cfg = EngineConfig(device="cpu", dtype="float32")
+    loaded = load_model(qwen3_dir, "cpu", "float32")
+    shared = [build_engine(qwen3_dir, d, p, cfg, loaded=loaded) for d, p in ((None, "none"), ("ngram", "static:3"))]
+    assert shared[0].model is shared[1].model is loaded[0]
+    own = build_engine(qwen3_dir, None, "none", cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = [e.run_until_done([e.add_request([5, 6, 7, 5, 6, 7], params)])[0].token_ids for e in (*shared, own)]
+    assert outs[0] == outs[1] == outs[2]
+    with pytest.raises(ValueError, match="dtype|float"):
+        build_engine(qwen3_dir, None, "none", EngineConfig(device="cpu", dtype="bfloat16"), loaded=loaded)
+
+
 def test_lockstep_refuses_servers():
     s = online.OnlineSettings(url="http://127.0.0.1:9", lockstep=True)
     with pytest.raises(ValueError, match="lockstep"):

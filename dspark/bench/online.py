@@ -171,6 +171,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
     """Every configuration at every concurrency; `on_level(rows, skipped)` after each level (the
     rows so far), so a run cut short still leaves the levels it finished."""
     from dspark.engine.factory import build_engine
+    from dspark.models.loader import load_model
     from dspark.sampling import SamplingParams
 
     def params(i: int, max_tokens: int = s.max_tokens) -> SamplingParams:
@@ -184,13 +185,14 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         print(f"skipping config {label!r}: no drafter checkpoint for this model")
     longest = max(len(j.ids) for j in jobs) + s.max_tokens + max(g or 0 for g in gammas.values()) + 2
     cfg = engine_config(path, max(s.concurrency), longest, s.device)
+    loaded = load_model(path, cfg.device, cfg.dtype)  # one copy of the target's weights, as one deployment has
     engines = {}
     for sp in specs:  # every engine is built and warmed up first, then the runs interleave
         native = gammas[sp.label]
         if native is None:
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
-        engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile)
+        engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded)
         warm_up(engine, jobs, s, params)
         engines[sp.label] = (sp, engine)
     rows = []
@@ -303,7 +305,7 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
           "per-user tok/s = a request's tokens after the first over the time since its first token. "
-          "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave: "
+          "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave, all on one copy of the target's weights: "
           "weights, preallocated KV pools, Python); the KV blocks and the drafter's cache are what the load really occupied.\n"]
     if skipped:
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")

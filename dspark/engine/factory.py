@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from dspark.config import EngineConfig
 from dspark.drafters.registry import load_drafter
 from dspark.engine.engine import LLMEngine
 from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
+from dspark.models.qwen3 import CausalLM
+from dspark.models.tokenizer import TextTokenizer
 from dspark.spec import measure
 from dspark.spec.profile import load_cached, profile_key, save_cached
 from dspark.spec.round import GateConfig
@@ -32,8 +36,11 @@ def default_spec(model: str | Path | None) -> tuple[str | None, str]:
 
 def build_engine(model: str | Path | None = None, drafter: str | None = None, policy: str | None = None,
                  cfg: EngineConfig | None = None, gamma: int | None = None, profile: str = "auto",
-                 gate: GateConfig | None = None) -> LLMEngine:
-    """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs)."""
+                 gate: GateConfig | None = None, loaded: tuple[CausalLM, TextTokenizer] | None = None) -> LLMEngine:
+    """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs).
+    loaded: the target and tokenizer already loaded from this model by `load_model` on cfg's
+    device and dtype, to share one copy of the weights between engines (a benchmark that runs
+    several configurations side by side, as one deployment serves one model)."""
     cfg = cfg or EngineConfig()
     path = resolve_model_path(model)
     default_drafter, default_policy = default_spec(path)
@@ -44,7 +51,10 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     policy = policy or ("dspark" if drafter else "none")
     if policy != "none" and not drafter:
         raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|PATH)")
-    net, tok = load_model(path, cfg.device, cfg.dtype)
+    net, tok = loaded if loaded is not None else load_model(path, cfg.device, cfg.dtype)
+    if net.device.type != torch.device(cfg.device).type or net.dtype != cfg.torch_dtype:
+        raise ValueError(f"the loaded target is {net.device}/{net.dtype}, the engine config asks for "
+                         f"{cfg.device}/{cfg.torch_dtype}")
     d = None
     if drafter and policy != "none":
         d = load_drafter(drafter, path, net.config, tok.token_id("<|mask|>") or 0)

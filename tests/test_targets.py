@@ -62,3 +62,26 @@ def test_repeat_checks_are_read_from_their_subdirectories(tmp_path):
     got = [c for c in targets.run(tmp_path)["checks"] if c["source"] == "mixed-c64/online.json"]
     assert [(c["status"], c["detail"]) for c in got] == [("met", "per run: 0.90, 1.06")] * 2
     assert got[0]["target"].startswith("never a loss, 2-run check at C = 1 (mixed-c64)")
+
+
+def test_lockstep_results_are_read_beside_the_rotation_ones(tmp_path):
+    """`--lockstep` sweeps in lockstep/ give their own rows (sources named), never replacing the
+    rotation sweep's; a lockstep repeat check says so in its target."""
+    rows = online_rows(1.2)
+    write(tmp_path, "online", {"rows": rows, "ratios": ratios(rows)})
+    (tmp_path / "lockstep").mkdir()
+    slower = online_rows(0.99)
+    write(tmp_path / "lockstep", "online", {"rows": slower, "ratios": ratios(slower), "settings": {"lockstep": True}})
+    (tmp_path / "lockstep-hostile-8").mkdir()
+    runs = [{**r, "throughput_ratio_runs": [0.99] * 8} for r in ratios(slower)]
+    write(tmp_path / "lockstep-hostile-8", "online-hostile", {"rows": slower, "ratios": runs,
+                                                               "settings": {"lockstep": True}})
+    checks = targets.run(tmp_path)["checks"]
+    at = {(c["target"], c["source"]): c for c in checks}
+    top = "C = 8: dspark:dspark aggregate / none"
+    assert at[top, "online.json"]["status"] == "met" and at[top, "lockstep/online.json"]["status"] == "missed"
+    assert at["never a loss (lockstep/online.json): dspark:dspark / none, every C", "lockstep/online.json"]["value"] == 0.99
+    assert at["never a loss (lockstep/online-hostile.json): dspark:dspark / none, every C",
+              "lockstep/online-hostile.json"]["status"] == "not measured"
+    eight = [c for c in checks if c["source"] == "lockstep-hostile-8/online-hostile.json"]
+    assert len(eight) == 2 and all("8-run lockstep check" in c["target"] and c["status"] == "met" for c in eight)

@@ -2,9 +2,10 @@
 
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
-compares configurations measured side by side), and the repeat checks in its subdirectories
-(`REPEAT_CHECKS`: one concurrency, `none` and dspark:dspark only, eight runs each, for the cells where
-two runs are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
+compares configurations measured side by side), the same two online sweeps run with
+`--lockstep` from its `lockstep/` subdirectory, and the repeat checks in its other subdirectories
+(`REPEAT_CHECKS`: `none` and dspark:dspark only, eight runs each, for the cells where two runs
+are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
 target's measured value, its bar, met or missed, and the file it came from. Nothing is
 measured here; a missing file leaves its targets "not measured".
 """
@@ -68,7 +69,7 @@ def peers_checks(res: dict | None) -> list[Check]:
     return checks
 
 
-def load_checks(res: dict | None) -> list[Check]:
+def load_checks(res: dict | None, source: str = "online.json") -> list[Check]:
     rows = (res or {}).get("rows", [])
     if not rows:
         return []
@@ -87,25 +88,25 @@ def load_checks(res: dict | None) -> list[Check]:
     name_u, best_u = best_static(low, "per_user_tok_s_mean")
     checks = [
         Check(f"C = {top}: {SPEC} aggregate / best static:k", 1.0, ratio(mine(top, "throughput_tok_s"), best_t),
-              "online.json", f"best static: {name_t}"),
+              source, f"best static: {name_t}"),
         Check(f"C = {top}: {SPEC} aggregate / none", 1.0,
-              ratio(mine(top, "throughput_tok_s"), at.get(("none", top), {}).get("throughput_tok_s")), "online.json"),
+              ratio(mine(top, "throughput_tok_s"), at.get(("none", top), {}).get("throughput_tok_s")), source),
         Check(f"C = {low}: {SPEC} per-user / best static:k", 0.95, ratio(mine(low, "per_user_tok_s_mean"), best_u),
-              "online.json", f"best static: {name_u}"),
+              source, f"best static: {name_u}"),
     ]
     mtp = "mtp:static:1"
     if any(r["config"] == mtp for r in rows):
-        checks.append(matched_check(rows, mtp))
+        checks.append(matched_check(rows, mtp, source))
     return checks
 
 
-def matched_check(rows: list[dict], base: str) -> Check:
+def matched_check(rows: list[dict], base: str, source: str = "online.json") -> Check:
     """Per-user speed over `base`'s at the throughput levels both curves reach (the worst level)."""
     mine, theirs = curve(rows, SPEC), curve(rows, base)
     ratios = [ratio(speed_at_throughput(mine, t), speed_at_throughput(theirs, t)) for _, t in theirs]
     ratios = [r for r in ratios if r is not None]
     return Check(f"matched aggregate throughput: {SPEC} per-user / {base}", 1.5, min(ratios) if ratios else None,
-                 "online.json", f"lowest over {len(ratios)} of {base}'s throughput levels")
+                 source, f"lowest over {len(ratios)} of {base}'s throughput levels")
 
 
 def never_a_loss(res: dict | None, source: str) -> list[Check]:
@@ -121,6 +122,8 @@ def never_a_loss(res: dict | None, source: str) -> list[Check]:
 REPEAT_CHECKS = {  # subdirectory -> its results file (`bench online --repeats 8 --out <results>/<subdirectory>`)
     "hostile-c1": "online-hostile", "hostile-c4": "online-hostile", "hostile-c16": "online-hostile",
     "mixed-c1": "online", "mixed-c4": "online", "mixed-c64": "online",
+    # every concurrency, eight runs, `--lockstep` (the configurations stepped in turn within each run)
+    "lockstep-hostile-8": "online-hostile", "lockstep-mixed-8": "online",
 }
 
 
@@ -132,7 +135,8 @@ def repeat_checks(results: Path) -> list[Check]:
         rows = [r for r in (res or {}).get("ratios", []) if r["config"] == SPEC and r["throughput_ratio"] is not None]
         for r in rows:
             runs = ", ".join(f"{x:.2f}" for x in r.get("throughput_ratio_runs") or [])
-            out.append(Check(f"never a loss, {len(r.get('throughput_ratio_runs') or [])}-run check at C = "
+            how = "lockstep " if res.get("settings", {}).get("lockstep") else ""
+            out.append(Check(f"never a loss, {len(r.get('throughput_ratio_runs') or [])}-run {how}check at C = "
                              f"{r['concurrency']} ({sub}): {SPEC} / none", 0.97, r["throughput_ratio"],
                              f"{sub}/{name}.json", f"per run: {runs}"))
     return out
@@ -144,6 +148,10 @@ SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results
     ("online", load_checks),
     ("online", lambda r: never_a_loss(r, "online.json")),
     ("online-hostile", lambda r: never_a_loss(r, "online-hostile.json")),
+    # the same sweeps run with `--lockstep --out <results>/lockstep`
+    ("lockstep/online", lambda r: load_checks(r, "lockstep/online.json")),
+    ("lockstep/online", lambda r: never_a_loss(r, "lockstep/online.json")),
+    ("lockstep/online-hostile", lambda r: never_a_loss(r, "lockstep/online-hostile.json")),
 ]
 
 

@@ -118,6 +118,8 @@ def test_configs_and_workloads(qwen3_dir):
     assert parse_configs("none; mtp:static:1;dspark:dspark-async") == [
         Spec(None, "none"), Spec("mtp", "static:1"), Spec("dspark", "dspark-async")]
     assert Spec("/x/y/my-drafter", "threshold:0.5").label == "my-drafter:threshold:0.5"
+    again = parse_configs("none;dspark:dspark;none;dspark:dspark;none")  # A/A yardsticks: identical engines
+    assert [sp.label for sp in again] == ["none", "dspark:dspark", "none#2", "dspark:dspark#2", "none#3"]
     with pytest.raises(ValueError):
         parse_configs("dspark")
     tok = TextTokenizer.from_dir(qwen3_dir)
@@ -169,7 +171,7 @@ def test_offline_reads_a_prompts_file(qwen3_dir, tmp_path):
 
 @pytest.mark.parametrize("workload, lockstep", [("mixed", False), ("hostile", False), ("mixed", True)])
 def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
-    configs = f"none;ngram:static:7;{dspark_dir}:dspark;mtp:static:1"
+    configs = f"none;ngram:static:7;{dspark_dir}:dspark;mtp:static:1" + (";none" if lockstep else "")
     s = online.OnlineSettings(model=str(qwen3_dir), configs=configs, concurrency=(1, 2), requests_per_client=1,
                               workload=workload, datasets=("gsm8k", "mt-bench"), num_prompts=2,
                               hostile_prompt_tokens=24, max_tokens=8, ignore_eos=True, profile="off", device="cpu",
@@ -179,8 +181,8 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
     data = stamped(tmp_path / f"online{suffix}.json")
     assert data["reference"] == "none" and data["skipped_configs"] == ["mtp:static:1"]
     rows = data["rows"]
-    assert [(r["config"], r["concurrency"]) for r in rows] == [
-        (c, n) for c in ("none", "ngram:static:7", "dspark-random:dspark") for n in (1, 2)]
+    labels = ("none", "ngram:static:7", "dspark-random:dspark") + (("none#2",) if lockstep else ())
+    assert [(r["config"], r["concurrency"]) for r in rows] == [(c, n) for c in labels for n in (1, 2)]
     for r in rows:
         assert r["requests"] == r["concurrency"] and r["completion_tokens"] == 8 * r["concurrency"]
         for key in ("throughput_tok_s", "per_user_tok_s_mean", "per_user_tok_s_p50", "ttft_mean_s", "ttft_p50_s",
@@ -189,7 +191,7 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
         assert r["budget"] <= 7
     assert all(r["budget"] == 0 and r["peak_drafter_cache_mib"] == 0 for r in rows if r["config"] == "none")
     assert any(r["peak_drafter_cache_mib"] > 0 for r in rows if r["config"].startswith("dspark-random"))
-    assert {r["config"] for r in data["ratios"]} == {"ngram:static:7", "dspark-random:dspark"}
+    assert {r["config"] for r in data["ratios"]} == {"ngram:static:7", "dspark-random:dspark"} | set(labels[3:])
     assert data["frontier"]["reference"] == "none" and len(data["frontier"]["sla"]) >= 1
     md = (tmp_path / f"online{suffix}.md").read_text()
     assert "Ratios vs `none`" in md and "SLA" in md and "matched" in md and workload in md

@@ -5,6 +5,7 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
         --concurrency 1,2,4,8,16,32,64 --requests-per-client 4
     dspark bench online --workload hostile --configs "none;dspark:dspark"   # never slower than none?
     dspark bench online --lockstep --configs "none;dspark:dspark" --repeats 4  # drift cancelled
+    dspark bench online --lockstep --configs "none;none;dspark:dspark"       # none#2: the run's own noise
     dspark bench online --url http://127.0.0.1:8000,http://127.0.0.1:8001  # running servers
     dspark bench online --quick                                              # ~1 minute smoke run
 

@@ -72,10 +72,12 @@ class Spec:
 
     drafter: str | None
     policy: str
+    copy: int = 1  # the n-th time the configuration is listed: an identical engine, a noise yardstick
 
     @property
     def label(self) -> str:
-        return "none" if self.drafter is None else f"{drafter_label(self.drafter)}:{self.policy}"
+        base = "none" if self.drafter is None else f"{drafter_label(self.drafter)}:{self.policy}"
+        return base if self.copy == 1 else f"{base}#{self.copy}"
 
 
 def drafter_label(name: str) -> str:
@@ -84,18 +86,21 @@ def drafter_label(name: str) -> str:
 
 
 def parse_configs(text: str) -> list[Spec]:
-    """'none;mtp:static:1;dspark:dspark' -> Specs (the drafter is everything before the first ':')."""
-    out = []
+    """'none;mtp:static:1;dspark:dspark' -> Specs (the drafter is everything before the first ':').
+    A configuration listed again ('none;none;...') is a second, identical engine labelled
+    'none#2': its ratio to the first is the run's own noise (an A/A comparison)."""
+    out: list[Spec] = []
     for item in (s.strip() for s in text.split(";")):
         if not item:
             continue
         if item == "none":
-            out.append(Spec(None, "none"))
-            continue
-        drafter, sep, policy = item.partition(":")
-        if not sep or not policy:
-            raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
-        out.append(Spec(drafter, policy))
+            drafter, policy = None, "none"
+        else:
+            drafter, sep, policy = item.partition(":")
+            if not sep or not policy:
+                raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
+        copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy) == (drafter, policy))
+        out.append(Spec(drafter, policy, copy))
     return out
 
 

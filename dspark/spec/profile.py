@@ -3,11 +3,15 @@ for R requests, so schedulers maximise tokens per second of the whole step.
 
 Measured at engine start (warm-up, then timed runs on a grid up to the token budget, at a
 representative context length), interpolated, cached on disk per model / drafter / device
-/ dtype / threads, and corrected while serving: every measured step updates one smoothed
-scale per curve, since a start-up profile drifts with heat, context and load, and that drift
-moves every batch shape alike. (A scale per grid bucket learned the cost of the shapes that
-run all the time, plain steps, and kept the start-up cost of the drafted shapes that rarely
-run: a biased comparison that opened the gate on hostile traffic.)
+/ dtype / threads, and corrected while serving, since a start-up profile drifts with heat,
+context and load. Every target forward updates one smoothed machine scale (`verify_scale`),
+which moves every batch shape alike, the drafter's too: a neighbour that slows the machine
+slows drafting as much as verifying. Drafted steps, rare when the gate is closed, update the
+drafter's own correction on top of it (`draft_scale`, e.g. for catching up a long pending
+context). (A scale per grid bucket learned the cost of the shapes that run all the time, plain
+steps, and kept the start-up cost of the drafted shapes that rarely run; a drafter scale of
+its own went stale the same way when the machine slowed: biased comparisons that opened the
+gate on hostile traffic.)
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 """
@@ -55,8 +59,8 @@ class StepProfile:
     requests: list[int] = field(default_factory=lambda: [1])  # grid of R
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # seconds per proposal for R requests
     smoothing: float = 0.05
-    verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed
-    draft_scale: float = 1.0  # the same for drafter proposals (catching up pending context included)
+    verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
+    draft_scale: float = 1.0  # measured / (profiled x verify_scale) seconds of drafter proposals, smoothed
 
     def __post_init__(self) -> None:
         # more tokens (requests) never cost less: a point measured above a later one was slowed by
@@ -70,7 +74,7 @@ class StepProfile:
     def draft(self, r: int) -> float:
         if r <= 0:
             return 0.0
-        return interp(self.requests, self.draft_s, r) * self.draft_scale
+        return interp(self.requests, self.draft_s, r) * self.verify_scale * self.draft_scale
 
     def cost(self, r: int, b: int) -> float:
         """Seconds of a speculative step: draft for r requests, verify b tokens."""
@@ -83,7 +87,8 @@ class StepProfile:
         self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
     def observe_draft(self, r: int, seconds: float) -> None:
-        self.draft_scale = self._smoothed(self.draft_scale, interp(self.requests, self.draft_s, r), seconds)
+        profiled = interp(self.requests, self.draft_s, r) * self.verify_scale
+        self.draft_scale = self._smoothed(self.draft_scale, profiled, seconds)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float) -> float:
         if profiled <= 0 or seconds <= 0:

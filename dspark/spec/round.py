@@ -14,6 +14,7 @@ decodes plainly without calling the drafter, probing again with growing interval
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,7 +38,10 @@ from dspark.spec.verify import verify
 class GateConfig:
     enabled: bool = True
     probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
-    probe_max: int = 256  # a probe costs about two plain steps: <1% of steps once the gate has settled
+    probe_max: int = 256  # the interval stops doubling here where probes are cheap ...
+    probe_budget: float = 0.0025  # ... and further out where they are not: probes (their cost beyond a plain
+    # step, from the profile) add at most this fraction to the steps between them (0: off)
+    probe_ceiling: int = 4096  # the interval never grows past this (new traffic is found within it)
     recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
     probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
     caution: float = 1.0  # standard errors taken off the acceptance estimates before judging: opening
@@ -78,10 +82,20 @@ class Gate:
             return True
         self.wait += 1
         if self.wait >= self.interval:  # probe: refresh the acceptance estimates
-            self.wait, self.interval = 0, min(self.cfg.probe_max, self.interval * 2)
+            self.wait, self.interval = 0, min(self.longest_interval(num_requests), self.interval * 2)
             self.probing = True
             return True
         return False
+
+    def longest_interval(self, num_requests: int) -> int:
+        """probe_max, or more where a probe costs more than probe_budget of the plain steps
+        between probes (at one request on a CPU a probe costs about two plain steps)."""
+        if not self.cfg.probe_budget or self.profile is None:
+            return self.cfg.probe_max
+        k = min(self.cfg.probe_requests, num_requests)
+        plain = self.profile.verify(num_requests)
+        extra = (self.profile.cost(k, num_requests + k) - plain) / plain  # a probe verifies >= 1 token each
+        return min(self.cfg.probe_ceiling, max(self.cfg.probe_max, math.ceil(extra / self.cfg.probe_budget)))
 
     def withheld(self, num_requests: int, gamma: int) -> None:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock

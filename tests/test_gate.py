@@ -167,6 +167,24 @@ def test_the_online_correction_scales_every_batch_shape_alike():
     assert cached.verify(8) == prof.verify(8)
 
 
+def test_a_machine_slowed_by_a_neighbour_does_not_open_the_gate():
+    """Acceptance ~0.5 per position: drafting loses at the profiled speeds. The machine then runs
+    2x slower (plain steps observe it); drafting slows as much, so the verdict stays closed. Had
+    the drafter's curve kept its start-up cost, the same steps would have opened it."""
+    s = AcceptanceStats(GAMMA)
+    for _ in range(40):
+        for n in [0] * 8 + [1] * 4 + [2] * 2 + [3, 4]:
+            s.update([GAMMA], [n])
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01] * 3, requests=[1, 8], draft_s=[0.012] * 2)
+    gate = Gate(GateConfig(probe_every=10**6), s, prof)
+    assert not gate.predict(1, [GAMMA])
+    for _ in range(300):
+        prof.observe_verify(1, 0.02)
+    assert not gate.predict(1, [GAMMA])
+    prof.draft_scale = 1 / prof.verify_scale  # the drafter's start-up cost, as before the shared scale
+    assert gate.predict(1, [GAMMA])
+
+
 def test_a_profile_cached_with_per_bucket_corrections_still_loads():
     import json
 

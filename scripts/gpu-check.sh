@@ -10,7 +10,8 @@
 # Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), the per-step diagnostic
 # (scripts/gpu-steps.py, device synchronized every step; once as is and once with
 # CUDA_MODULE_LOADING=EAGER, to see what cold kernels cost), single-stream peers (transformers
-# generate() and prompt lookup vs this engine's none and dspark), online mixed and online hostile. Writes $OUT/log.txt (the diagnostic's lines included) and $OUT/results.tar.gz (docs/results
+# generate() and prompt lookup vs this engine's none and dspark), online mixed and online hostile (in lockstep,
+# with an A/A `none#2` row). Writes $OUT/log.txt (the diagnostic's lines included) and $OUT/results.tar.gz (docs/results
 # layout: peers/, online/, hostile/). The limits add up to ~570 s (one device call): `bench online` rewrites its
 # report after every concurrency level, so a step stopped at its limit still leaves the levels it finished.
 set -u
@@ -55,7 +56,7 @@ step 140 python3 -m dspark bench peers --device "$DEVICE" --profile refresh $PEE
 step "$LIMIT" python3 -m dspark bench online --device "$DEVICE" --profile refresh \
   --configs "none;mtp:static:1;dspark:static:7;dspark:dspark" $ONLINE --out "$OUT/r/online"
 # shellcheck disable=SC2086
-step "$HLIMIT" python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile \
-  --configs "none;dspark:static:7;dspark:dspark" $HOSTILE --out "$OUT/r/hostile"
+step "$HLIMIT" python3 -m dspark bench online --device "$DEVICE" --profile auto --workload hostile --lockstep \
+  --configs "none;none;dspark:static:7;dspark:dspark" $HOSTILE --out "$OUT/r/hostile"
 tar czf "$OUT/results.tar.gz" -C "$OUT" r
 echo "=== $(date -u +%T) done" | tee -a "$log"

@@ -349,6 +349,32 @@ def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
         run_loops([ClosedLoop(fast, jobs, 1, params, per_client=1), ClosedLoop(fast, jobs, 1, params, per_client=1)])
 
 
+def test_lockstep_rounds_vary_who_steps_after_whom(qwen3_dir):
+    """In a fixed cycle an engine always follows the same other engine (and inherits the caches
+    it left); each round's order is shuffled, so every engine follows each of the others."""
+    from dspark.bench.loop import ClosedLoop, run_loops
+    from dspark.bench.workload import engine_config
+    from dspark.engine.factory import build_engine
+    from dspark.models.loader import load_model
+    from dspark.models.tokenizer import TextTokenizer
+    from dspark.sampling import SamplingParams
+
+    cfg = engine_config(qwen3_dir, 1, 64, "cpu")
+    loaded = load_model(qwen3_dir, "cpu", cfg.dtype)
+    engines = [build_engine(qwen3_dir, None, "none", cfg, loaded=loaded) for _ in range(3)]
+    trace: list[int] = []
+    for i, e in enumerate(engines):
+        real = e.step
+        e.step = lambda i=i, real=real: trace.append(i) or real()
+    jobs = hostile(TextTokenizer.from_dir(qwen3_dir), 2, 12)
+    params = lambda i: SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)  # noqa: E731
+    run_loops([ClosedLoop(e, jobs, 1, params, per_client=1) for e in engines])
+    rounds = [trace[i : i + 3] for i in range(0, len(trace), 3)]
+    assert all(sorted(r) == [0, 1, 2] for r in rounds) and len(rounds) >= 12
+    after = {i: {r[r.index(i) - 1] for r in rounds if r.index(i) > 0} for i in range(3)}
+    assert all(after[i] == {0, 1, 2} - {i} for i in range(3))
+
+
 def test_engines_share_one_loaded_target(qwen3_dir):
     """Side-by-side engines on one copy of the target's weights decode exactly as an engine with
     its own copy; a copy loaded for another dtype is refused."""

@@ -9,9 +9,10 @@ A `ClosedLoop` drives one `LLMEngine` with `add_request` / `step` only (no serve
 KV blocks in use and the drafter's cache bytes. Its time is a `VirtualClock` that runs only
 inside `advance()`, and the engine stamps its requests (arrival, first token, finish) with
 that clock. So `run_loops` can step several loops in turn -- lockstep: one step of each
-engine, round after round -- and each still measures only its own work, while all of them
-see the same machine at every moment (a noisy neighbour slows them alike, instead of
-landing on whichever configuration ran its whole pass at the time). Alone, a loop's clock
+engine, round after round, in a fresh random order each round -- and each still measures only
+its own work, while all of them see the same machine at every moment (a noisy neighbour slows
+them alike, instead of landing on whichever configuration ran its whole pass at the time).
+Alone, a loop's clock
 is the wall time of its run. `run_loops` also records the process's peak resident memory
 (the kernel's high-water mark, reset at the start where /proc/self/clear_refs allows;
 otherwise the process-lifetime peak, and it says so). Not a command: `dspark bench online`
@@ -20,6 +21,7 @@ calls it (online.py).
 
 from __future__ import annotations
 
+import random
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -158,9 +160,12 @@ class ClosedLoop:
             self._send(client)
 
 
-def run_loops(loops: Sequence[ClosedLoop]) -> list[LoopResult]:
-    """Run the loops to the end in lockstep (one step of each, in the given order, round after
-    round; a loop that has finished drops out) and return their results in the same order."""
+def run_loops(loops: Sequence[ClosedLoop], seed: int = 0) -> list[LoopResult]:
+    """Run the loops to the end in lockstep (one step of each per round, round after round; a
+    loop that has finished drops out) and return their results in the given order. Each round
+    takes the loops in a fresh random order (seeded): in a fixed cycle an engine would always
+    step right after the same other engine, and one whose step evicts the caches (a drafter's
+    weights, a long verification) would slow its successor's every step, not everyone's alike."""
     if len({id(loop.engine) for loop in loops}) != len(loops):
         raise ValueError("loops run in lockstep need an engine each")
     scope = reset_peak_rss()
@@ -169,8 +174,10 @@ def run_loops(loops: Sequence[ClosedLoop]) -> list[LoopResult]:
         torch.cuda.reset_peak_memory_stats()
     for loop in loops:
         loop.begin()
+    rng = random.Random(seed)
     active = list(loops)
     while active:
+        rng.shuffle(active)
         active = [loop for loop in active if loop.advance()]
     results = [loop.end() for loop in loops]
     peak = peak_rss_bytes()

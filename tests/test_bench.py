@@ -195,7 +195,7 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
     assert data["frontier"]["reference"] == "none" and len(data["frontier"]["sla"]) >= 1
     md = (tmp_path / f"online{suffix}.md").read_text()
     assert "Ratios vs `none`" in md and "SLA" in md and "matched" in md and workload in md
-    assert ("lockstep" in md) == lockstep and data["settings"]["lockstep"] == lockstep
+    assert ("**lockstep**" in md) == lockstep  # the load line (the command line may say lockstep too) and data["settings"]["lockstep"] == lockstep
     assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 

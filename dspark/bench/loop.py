@@ -12,11 +12,10 @@ that clock. So `run_loops` can step several loops in turn -- lockstep: one step 
 engine, round after round, in a fresh random order each round -- and each still measures only
 its own work, while all of them see the same machine at every moment (a noisy neighbour slows
 them alike, instead of landing on whichever configuration ran its whole pass at the time).
-Alone, a loop's clock
-is the wall time of its run. `run_loops` also records the process's peak resident memory
-(the kernel's high-water mark, reset at the start where /proc/self/clear_refs allows;
-otherwise the process-lifetime peak, and it says so). Not a command: `dspark bench online`
-calls it (online.py).
+Alone, a loop's clock is the wall time of its run. `run_loops` also records the process's
+peak resident memory (the kernel's high-water mark, reset at the start where
+/proc/self/clear_refs allows; otherwise the process-lifetime peak, and it says so). Not a
+command: `dspark bench online` calls it (online.py).
 """
 
 from __future__ import annotations
@@ -104,7 +103,8 @@ class ClosedLoop:
         self.idle = 0
 
     def begin(self) -> None:
-        self._timed(lambda: [self._send(c) for c in range(self.concurrency)])
+        """Every client sends its first request."""
+        self._timed(self._send_all)
 
     def advance(self) -> bool:
         """One engine step and the refills it causes; False once nothing is in flight."""
@@ -126,6 +126,10 @@ class ClosedLoop:
         finally:
             self.clock.stop()
             self.engine.clock = saved
+
+    def _send_all(self) -> None:
+        for client in range(self.concurrency):
+            self._send(client)
 
     def _send(self, client: int) -> None:
         if self.per_client is not None and self.sent[client] >= self.per_client:

@@ -89,7 +89,7 @@ class Gate:
 
     def longest_interval(self, num_requests: int) -> int:
         """probe_max, or more where a probe costs more than probe_budget of the plain steps
-        between probes (at one request on a CPU a probe costs about two plain steps)."""
+        between probes (a probe drafts, then verifies more tokens than a plain step would)."""
         if not self.cfg.probe_budget or self.profile is None:
             return self.cfg.probe_max
         k = min(self.cfg.probe_requests, num_requests)

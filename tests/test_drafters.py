@@ -14,7 +14,7 @@ from dspark.kv_cache import PagedKVCache
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams, SamplingRows
 from dspark.train.anchors import make_batch
-from dspark.train.losses import acceptance, drafter_loss
+from dspark.train.losses import LossWeights, acceptance, drafter_loss
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +119,26 @@ def test_loss_terms_on_hand_made_distributions():
     assert out[1]["tv"] == pytest.approx(2.0, abs=1e-4)
     assert out[1]["conf"] == pytest.approx(30.0, rel=1e-3)  # label 0, confident 1
     assert acceptance(torch.tensor([0.5, 0.5]), torch.tensor([0.7, 0.3])).item() == pytest.approx(0.8)
+
+
+def test_soft_ce_term_is_off_by_default_and_moves_disjoint_drafts():
+    p = torch.tensor([[0.7, 0.2, 0.1]])
+    logits, label, valid = p.log()[None], torch.tensor([[0]]), torch.ones(1, 1, dtype=torch.bool)
+    plain = drafter_loss("dspark", logits, None, logits, label, valid)
+    assert "soft_ce" not in plain[1]
+    both = drafter_loss("dspark", logits, None, logits, label, valid, LossWeights(soft_ce=0.5))
+    entropy = float(-(p * p.log()).sum())
+    assert both[1]["soft_ce"] == pytest.approx(entropy, rel=1e-5)  # soft CE = H(p_t) when p_d = p_t
+    assert float(both[0] - plain[0]) == pytest.approx(0.5 * entropy, rel=1e-5)
+    # far-apart distributions: L1 is saturated (no gradient to speak of), soft CE still pulls p_d to p_t
+    draft = torch.tensor([[[0.0, -30.0, -30.0]]], requires_grad=True)
+    target = torch.tensor([[[-30.0, 0.0, -30.0]]])
+    drafter_loss("dspark", draft, None, target, torch.tensor([[1]]), valid, LossWeights(ce=0.0))[0].backward()
+    assert draft.grad.abs().max() < 1e-6
+    draft.grad = None
+    drafter_loss("dspark", draft, None, target, torch.tensor([[1]]), valid,
+                 LossWeights(ce=0.0, soft_ce=1.0))[0].backward()
+    assert draft.grad[0, 0, 1] < -0.5  # raise the target's token
 
 
 def test_invalid_positions_do_not_count():

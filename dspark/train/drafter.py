@@ -61,6 +61,7 @@ class DrafterTrainConfig:
     loss_ce: float = 0.1
     loss_tv: float = 0.9
     loss_conf: float = 1.0
+    loss_soft_ce: float = 0.0  # dspark: weight of soft CE against the target (0: the paper's loss)
     seed: int = 0
     eval_every: int = 200
     eval_batches: int = 4
@@ -133,7 +134,7 @@ def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, r
 def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: str):
     taps, t_logits = block_targets(target, batch, drafter.taps)
     logits, conf = drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-    weights = LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf)
+    weights = LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf, cfg.loss_soft_ce)
     loss, parts = drafter_loss(kind, logits, conf, t_logits, batch.labels, batch.valid, weights)
     return loss, parts, logits, t_logits, conf
 
@@ -250,7 +251,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
         logits, conf = model(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad) if world > 1 \
             else drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
         loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits, batch.labels, batch.valid,
-                                   LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf))
+                                   LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf, cfg.loss_soft_ce))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

@@ -3,7 +3,9 @@
 - DSpark: `0.1 * CE + 0.9 * L1 + 1.0 * conf`, each weighted per position by
   w_k = exp(-(k-1)/gamma); L1 = ||p_d - p_t||_1 (p_d includes the sequential bias,
   teacher-forced); conf = BCE(c_k, c*_k) with the soft label c*_k = 1 - ||p_d - p_t||_1 / 2
-  (detached).
+  (detached). An optional soft-CE term (`LossWeights.soft_ce`, 0 in the paper's loss) adds
+  the full target distribution as a label: L1's gradient vanishes where p_d and p_t do not
+  overlap, and one sampled label is a noisy stand-in for p_t when training is short.
 - DFlash / MTP: CE only. EAGLE-3: soft CE against the target, step weights 0.8^k.
 `acceptance` is the teacher-forced per-position acceptance used for progress reports.
 """
@@ -21,6 +23,7 @@ class LossWeights:
     ce: float = 0.1
     tv: float = 0.9
     conf: float = 1.0
+    soft_ce: float = 0.0
 
 
 def position_weights(gamma: int, device, kind: str = "dspark") -> torch.Tensor:
@@ -32,6 +35,11 @@ def acceptance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
     """1 - ||p_d - p_t||_1 / 2 per position: the probability that speculative sampling
     accepts a token drawn from p_d when the target's distribution is p_t."""
     return 1.0 - 0.5 * (p_draft - p_target).abs().sum(-1)
+
+
+def soft_ce(p_target: torch.Tensor, logp_draft: torch.Tensor) -> torch.Tensor:
+    """-sum_v p_t(v) log p_d(v) per position (KL(p_t || p_d) plus the target's entropy)."""
+    return -(p_target * logp_draft).sum(-1)
 
 
 def _weighted_mean(per_pos: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -55,7 +63,7 @@ def drafter_loss(
     ce = -logp_d.gather(-1, labels[..., None])[..., 0]  # [..., g]
     parts: dict[str, torch.Tensor] = {}
     if kind == "eagle3":
-        parts["soft_ce"] = _weighted_mean(-(p_t * logp_d).sum(-1), w, valid)
+        parts["soft_ce"] = _weighted_mean(soft_ce(p_t, logp_d), w, valid)
         total = parts["soft_ce"]
     elif kind in ("dflash", "mtp"):
         parts["ce"] = _weighted_mean(ce, w, valid)
@@ -66,6 +74,9 @@ def drafter_loss(
         parts["ce"] = _weighted_mean(ce, w, valid)
         parts["tv"] = _weighted_mean(l1, w, valid)
         total = weights.ce * parts["ce"] + weights.tv * parts["tv"]
+        if weights.soft_ce:
+            parts["soft_ce"] = _weighted_mean(soft_ce(p_t, logp_d), w, valid)
+            total = total + weights.soft_ce * parts["soft_ce"]
         if conf_logits is not None:
             soft = (1.0 - 0.5 * l1).detach().clamp(0.0, 1.0)
             bce = F.binary_cross_entropy_with_logits(conf_logits.float(), soft, reduction="none")

@@ -26,6 +26,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="dspark | dflash | eagle3 | mtp | ngram | PATH")
     p.add_argument("--policy", default=None, help="none | static:K | threshold:T | dspark | dspark-async")
     p.add_argument("--gamma", type=int, default=None, help="draft block size (<= the drafter's)")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="draft from the N most frequent tokens (0: all; counts from `dspark draft-vocab`)")
 
 
 def engine_config(args: argparse.Namespace, **extra):
@@ -40,7 +42,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    llm = LLM(args.model, engine_config(args), drafter=args.drafter, policy=args.policy, gamma=args.gamma)
+    llm = LLM(args.model, engine_config(args), drafter=args.drafter, policy=args.policy, gamma=args.gamma,
+              draft_vocab=args.draft_vocab)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -72,11 +75,31 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_draft_vocab(args: argparse.Namespace) -> int:
+    from dspark.drafters.vocab import count_tokens, coverage, write_counts
+    from dspark.models.loader import resolve_model_path
+    from dspark.models.tokenizer import TextTokenizer
+
+    model_dir = resolve_model_path(args.model)
+    tok = TextTokenizer.from_dir(model_dir)
+    rows = []
+    for name in args.data:
+        with open(name) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    path = write_counts(model_dir, count_tokens(rows, tok), " ".join(args.data))
+    print(f"{path}: {len(rows)} rows")
+    sizes = [s for s in (256, 512, 1024, 2048, 4096) if s < tok.vocab_size]
+    for size, share in coverage(model_dir, sizes).items():
+        print(f"  top {size:5d} tokens cover {share:.1%} of the counted tokens")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.engine.factory import build_engine
 
     engine = build_engine(args.model, args.drafter, args.policy or "dspark", engine_config(args),
-                          profile="refresh" if args.refresh else "auto")
+                          gamma=args.gamma, profile="refresh" if args.refresh else "auto",
+                          draft_vocab=args.draft_vocab)
     prof = engine.runner.profile  # type: ignore[union-attr]
     print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
@@ -126,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="docs/results/calibration")
     c.add_argument("--no-write", action="store_true", help="report only; leave config.json unchanged")
     c.set_defaults(func=cmd_calibrate)
+
+    v = sub.add_parser("draft-vocab", help="count the target's tokens (for --draft-vocab N)")
+    v.add_argument("--model", default=None, help="the model directory that gets token_counts.json")
+    v.add_argument("--data", nargs="+", required=True,
+                   help="JSONL rows with `response_ids` (dspark train regen output) or `text`")
+    v.set_defaults(func=cmd_draft_vocab)
 
     p = sub.add_parser("profile", help="measure/print the step-cost profile (SPS and draft time)")
     add_engine_args(p)

@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--policies", default="none,static:7,dspark")
+    ap.add_argument("--draft-vocab", type=int, default=0, help="draft from the N most frequent tokens (0: all)")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -62,7 +63,8 @@ def main() -> None:
     while len(prompts) < args.concurrency:
         prompts += prompts[: args.concurrency - len(prompts)]
     for policy in args.policies.split(","):
-        engine = build_engine("dspark-tiny", policy=policy, cfg=EngineConfig(device=args.device))
+        vocab = args.draft_vocab if policy != "none" else 0
+        engine = build_engine("dspark-tiny", policy=policy, cfg=EngineConfig(device=args.device), draft_vocab=vocab)
         one_pass(engine, prompts, args.max_tokens, sync)
         res = one_pass(engine, prompts, args.max_tokens, sync)
         gate = getattr(engine.runner, "gate", None)

@@ -13,7 +13,7 @@ import torch
 
 from dspark.bench import frontier, offline, online, peers
 from dspark.bench.summary import conditional_acceptance, macro, mean_curves, speculation
-from dspark.bench.workload import Spec, hostile, interleave, parse_configs, render, select
+from dspark.bench.workload import Spec, hostile, interleave, parse_configs, render, select, split_drafter
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -122,6 +122,11 @@ def test_configs_and_workloads(qwen3_dir):
     assert [sp.label for sp in again] == ["none", "dspark:dspark", "none#2", "dspark:dspark#2", "none#3"]
     with pytest.raises(ValueError):
         parse_configs("dspark")
+    vocab = parse_configs("dspark@2048:dspark")[0]  # a draft vocabulary of the 2,048 most frequent tokens
+    assert vocab.label == "dspark@2048:dspark" and split_drafter(vocab.drafter) == ("dspark", 2048)
+    assert split_drafter("/runs/a@b") == ("/runs/a@b", 0) and split_drafter("eagle3") == ("eagle3", 0)
+    with pytest.raises(ValueError, match="positive"):
+        split_drafter("dspark@0")
     tok = TextTokenizer.from_dir(qwen3_dir)
     jobs = interleave(render(tok, select(["gsm8k", "humaneval", "mt-bench"], None, 2), 64))
     assert [j.domain for j in jobs] == ["math", "code", "chat"] * 2
@@ -315,10 +320,13 @@ def test_virtual_clock_runs_only_while_started():
     assert clock() == spent and 0.015 < spent < 0.5
 
 
+NAP = 0.2  # the slow engine's extra seconds per step: far above a tiny model's step, even on a busy machine
+
+
 def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
     """Two engines stepped in turn: each serves its load exactly as it would alone (same greedy
     tokens), and each loop's clock -- and every request timestamp the engine took from it --
-    counts only that engine's work: a loop whose engine sleeps 30 ms a step does not slow the
+    counts only that engine's work: a loop whose engine sleeps NAP seconds a step does not slow the
     other's clock, while a shared wall clock would charge it every one of those sleeps."""
     import time
 
@@ -333,7 +341,7 @@ def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
     real_step = slow.step
 
     def sleepy_step():
-        time.sleep(0.03)
+        time.sleep(NAP)
         return real_step()
 
     slow.step = sleepy_step
@@ -342,7 +350,7 @@ def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
     alone = closed_loop(fast, jobs, 2, params, per_client=2)
     a, b = run_loops([ClosedLoop(fast, jobs, 2, params, per_client=2), ClosedLoop(slow, jobs, 2, params, per_client=2)])
     assert len(a.outputs) == len(b.outputs) == 4 and a.steps == alone.steps
-    assert b.wall_s >= 0.03 * b.steps and a.wall_s < 0.03 * b.steps / 2
+    assert b.wall_s >= NAP * b.steps and a.wall_s < NAP * b.steps / 2
     assert all(o["latency_s"] <= a.wall_s + 1e-9 for o in a.outputs)
     assert fast.clock is time.perf_counter and slow.clock is time.perf_counter  # restored after the run
     with pytest.raises(ValueError, match="engine each"):

@@ -62,11 +62,11 @@ class LookBack(Policy):
         return ell
 
 
-def simulate(choose, temperature=1.0, top_p=1.0, top_k=0, seed=0) -> torch.Tensor:
+def simulate(choose, temperature=1.0, top_p=1.0, top_k=0, seed=0, draft=DRAFT) -> torch.Tensor:
     """[N, TOKENS] first tokens emitted by speculative decoding from anchor 0."""
     torch.manual_seed(seed)
     p_tab = processed(TARGET, temperature, top_p, top_k)  # [V, V]
-    q_tab = processed(DRAFT, temperature, top_p, top_k)
+    q_tab = processed(draft, temperature, top_p, top_k)
     out = torch.full((N, TOKENS), -1, dtype=torch.long)
     count = torch.zeros(N, dtype=torch.long)
     anchor = torch.zeros(N, dtype=torch.long)
@@ -123,6 +123,17 @@ def test_policies_are_lossless(policy):
 def test_lossless_with_top_p_top_k(knobs):
     samples = simulate(lambda conf: per_pattern(DSpark(), conf, PAYS), **knobs)
     assert chi_square_pvalue(samples, **knobs) > 1e-3
+
+
+@pytest.mark.slow
+def test_a_draft_vocabulary_is_lossless():
+    """A drafter restricted to a draft vocabulary never proposes the other tokens (q = 0 there);
+    the target still emits them at its own rate, through the residual distribution."""
+    restricted = DRAFT.clone()
+    restricted[:, 2] = float("-inf")  # token 2 is outside the draft vocabulary
+    samples = simulate(lambda conf: per_pattern(Static(3), conf, PAYS), draft=restricted)
+    assert bool((samples == 2).any())
+    assert chi_square_pvalue(samples) > 1e-3
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from dspark.bench.workload import (
     engine_config,
     render,
     select,
+    split_drafter,
 )
 
 THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0.0 = the full block, as static:gamma
@@ -110,14 +111,15 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
             skipped.append(name)
             continue
         label, kind, g = drafter_label(name), drafter_kind(name, path), min(s.gamma, native)
-        engine = build_engine(path, name, f"static:{g}", cfg, gamma=g, profile="off")
+        base, vocab = split_drafter(name)
+        engine = build_engine(path, base, f"static:{g}", cfg, gamma=g, profile="off", draft_vocab=vocab)
         for t in s.temperatures:
             outs = decode_each(engine, jobs, t, s, f"{label} T={t}")
             rows += dataset_rows(outs, drafter=label, kind=kind, policy=f"static:{g}", gamma=g, temperature=t)
-        if kind == "dspark" and s.thresholds:
+        if kind == "dspark" and s.thresholds and not vocab:  # the sweep is the drafter's, not its vocabulary's
             sweeps[label] = []
             for th in tqdm(s.thresholds, desc=f"{label} threshold sweep", disable=None):
-                engine = build_engine(path, name, f"threshold:{th}", cfg, gamma=g, profile="off")
+                engine = build_engine(path, base, f"threshold:{th}", cfg, gamma=g, profile="off", draft_vocab=vocab)
                 outs = decode_each(engine, jobs, s.temperatures[0], s, f"threshold {th}")
                 sweeps[label] += dataset_rows(outs, drafter=label, threshold=th, gamma=g, temperature=s.temperatures[0])
     payload = {"benchmark": "offline", "model": str(path), "settings": asdict(s), "skipped_drafters": skipped,

@@ -43,6 +43,7 @@ from dspark.bench.workload import (
     parse_configs,
     render,
     select,
+    split_drafter,
 )
 
 CONFIGS = "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async"
@@ -193,7 +194,9 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         if native is None:
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
-        engine = build_engine(path, sp.drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded)
+        drafter, vocab = split_drafter(sp.drafter) if sp.drafter else (None, 0)
+        engine = build_engine(path, drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded,
+                              draft_vocab=vocab)
         warm_up(engine, jobs, s, params)
         engines[sp.label] = (sp, engine)
     rows = []

@@ -6,7 +6,8 @@ Shared by `dspark bench offline | online | peers` (not a command itself):
   token ids kept (so the generation prompt survives truncation);
 - `interleave` (the `mixed` workload: math, code and chat in the same batch) and
   `hostile` (random token strings, on which almost every draft token is rejected);
-- `Spec` / `parse_configs`: `none` or `drafter:policy`, e.g. `dspark:dspark-async`;
+- `Spec` / `parse_configs`: `none` or `drafter:policy`, e.g. `dspark:dspark-async`; a drafter
+  name may end in `@N` to draft from the N most frequent tokens (`dspark@2048:dspark`);
 - `drafter_gamma`: the block size a named drafter would load with (None when missing).
 """
 
@@ -80,6 +81,16 @@ class Spec:
         return base if self.copy == 1 else f"{base}#{self.copy}"
 
 
+def split_drafter(name: str) -> tuple[str, int]:
+    """'dspark@2048' -> ('dspark', 2048): the drafter and its draft vocabulary (0: every token)."""
+    base, sep, size = name.rpartition("@")
+    if not sep or not size.isdigit() or not base:
+        return name, 0
+    if int(size) < 1:
+        raise ValueError(f"drafter {name!r}: the draft vocabulary after '@' must be a positive size")
+    return base, int(size)
+
+
 def drafter_label(name: str) -> str:
     """A shipped name as is; a directory by its last component."""
     return Path(name).name if "/" in name else name
@@ -116,6 +127,7 @@ def drafter_gamma(name: str, model_dir: Path) -> int | None:
     """The drafter's own block size, without loading its weights; None when it is missing."""
     from dspark.drafters.registry import GAMMA
 
+    name = split_drafter(name)[0]
     if name == "ngram":
         return GAMMA["ngram"]
     cfg = drafter_config_path(name, model_dir)
@@ -123,6 +135,7 @@ def drafter_gamma(name: str, model_dir: Path) -> int | None:
 
 
 def drafter_kind(name: str, model_dir: Path) -> str:
+    name = split_drafter(name)[0]
     if name == "ngram":
         return "ngram"
     cfg = drafter_config_path(name, model_dir)

@@ -66,9 +66,13 @@ class DSparkDrafter(NeuralDrafter):
                 self.pool.truncate(inp.seq_id, inp.context_len)
         return self.sample_block(hidden, anchors, rows, [i.generator for i in inputs])
 
+    def restrict_heads(self, ids: torch.Tensor | None) -> None:
+        if self.head is not None:
+            self.head.restrict(ids)
+
     def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
         """Left-to-right sampling of the block from hidden [R, g, d]."""
-        base = self.lm_head(hidden)  # [R, g, V]
+        base = self.lm_head(hidden)  # [R, g, V] (or [R, g, N] over a draft vocabulary)
         prev, state = anchors, None
         tokens, probs, embs = [], [], []
         for k in range(self.gamma):
@@ -78,13 +82,14 @@ class DSparkDrafter(NeuralDrafter):
                 logits = logits + bias.float()
                 embs.append(emb)
             p = probabilities(logits, rows)
-            prev = sample(p, rows, generators)
+            prev = self.token_ids(sample(p, rows, generators))
             tokens.append(prev)
             probs.append(p)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
         raw = self.conf(hidden, torch.stack(embs, 1)) if self.conf is not None and embs else None
         confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), confidence, confidence_logits=raw)
+        return DraftBlock(torch.stack(tokens, 1), self.full_probs(torch.stack(probs, 1)), confidence,
+                          confidence_logits=raw)
 
     # ---- training -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -99,6 +104,7 @@ class DSparkDrafter(NeuralDrafter):
         confidence logits [B, A, g] (or None). conf_stop_grad keeps the confidence loss from
         moving the backbone and the head (it then trains only the confidence head).
         """
+        self.check_trainable()
         b, a, g = anchors.shape[0], anchors.shape[1], self.gamma
         offs = torch.arange(g, device=tokens.device)
         block_pos = anchors[..., None] + offs  # [B, A, g]

@@ -87,13 +87,13 @@ class ShiftedDrafter(NeuralDrafter):
                 cos, sin = self.rotary.cos_sin(meta.positions, feat.dtype)
                 out = self.layer(self.entry(feat, prev), cos, sin, meta, self.cache.layers[0])  # [R, d]
                 p = probabilities(self.lm_head(self.norm(out)), rows)
-                prev, feat = sample(p, rows, gens), out
+                prev, feat = self.token_ids(sample(p, rows, gens)), out
                 tokens.append(prev)
                 probs.append(p)
         finally:
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len)
-        return DraftBlock(torch.stack(tokens, 1), torch.stack(probs, 1), None)
+        return DraftBlock(torch.stack(tokens, 1), self.full_probs(torch.stack(probs, 1)), None)
 
     # ---- training (training-time test) ------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -101,6 +101,7 @@ class ShiftedDrafter(NeuralDrafter):
 
     def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor, **_: object):
         """taps [B, T, m*d], tokens [B, T], anchors [B, A] -> logits [B, A, g, V], None."""
+        self.check_trainable()
         b, t = tokens.shape
         dev = tokens.device
         fused = self.fuse(taps)

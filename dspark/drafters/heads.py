@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dspark.device import upload
 
@@ -31,20 +32,29 @@ class SequentialHead(nn.Module):
         elif kind == "rnn":
             self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
         self.rank = rank
+        self.rows: torch.Tensor | None = None  # W2's rows for a draft vocabulary (serving), or None
+
+    def restrict(self, ids: torch.Tensor | None) -> None:
+        """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
+        self.rows = None if ids is None else self.w2.weight[ids].contiguous()
+
+    def out(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""
+        return self.w2(x) if self.rows is None else F.linear(x, self.rows)
 
     def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
         """h [..., d], prev [...] long -> (bias [..., V], W1[prev] [..., r], new state)."""
         e = self.w1(prev)
         if self.kind == "markov":
-            return self.w2(e), e, state
+            return self.out(e), e, state
         if self.kind == "gated":
             g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
-            return self.w2(g * e), e, state
+            return self.out(g * e), e, state
         s = state if state is not None else torch.zeros_like(e)
         gate, cand, out = self.cell(torch.cat([s, e, h], dim=-1)).chunk(3, dim=-1)
         g = torch.sigmoid(gate)
         s = g * s + (1 - g) * torch.tanh(cand)
-        return self.w2(torch.tanh(out)), e, s
+        return self.out(torch.tanh(out)), e, s
 
     def teacher(self, h: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced biases: h [..., gamma, d], prev [..., gamma] (x_0..x_{gamma-1})

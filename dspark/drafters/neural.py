@@ -4,6 +4,13 @@ paged cache of per-request context entries (one per committed token) with rollba
 Subclasses define `write_context` (turn new context features into cache entries) and
 `propose`. The cache reserves gamma extra slots per request for the draft block's own
 entries during `propose`; they are rolled back before `propose` returns.
+
+A draft vocabulary (`restrict_vocab`, as FR-Spec / EAGLE-3's reduced LM head) makes the
+drafter score only the most frequent tokens: its LM head computes those rows alone, draft
+tokens come from that set, and the draft distribution handed to the verifier is zero
+elsewhere. Verification accepts and resamples against the target's full distribution, so
+the output distribution is unchanged; only acceptance (the mass outside the set) and the
+proposal's cost move. Serving only: training always uses the full vocabulary.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
@@ -27,6 +35,8 @@ class NeuralDrafter(nn.Module, Drafter):
         self.config = config
         self._target: list[CausalLM] = []  # a list: the target is not a submodule (not saved, not trained)
         self.cache: PagedKVCache | None = None
+        self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft vocabulary (None: all)
+        self.vocab_rows: torch.Tensor | None = None  # [N, d] the LM head's rows for them
 
     # ---- the frozen target parts -----------------------------------------------------
     @property
@@ -39,8 +49,43 @@ class NeuralDrafter(nn.Module, Drafter):
         return self.target.model.embed_tokens(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normed hidden [..., d] -> logits [..., V] (float32) with the target's LM head."""
+        """Normed hidden [..., d] -> logits [..., V] (float32) with the target's LM head; [..., N]
+        over the draft vocabulary when one is set."""
+        if self.vocab_rows is not None:
+            return F.linear(hidden, self.vocab_rows).float()
         return self.target.lm_head(hidden).float()
+
+    # ---- the draft vocabulary -------------------------------------------------------------
+    def restrict_vocab(self, ids: Sequence[int] | None) -> None:
+        """Draft from these token ids only (None: the whole vocabulary again). Needs bind()."""
+        if ids is None:
+            self.vocab_ids = self.vocab_rows = None
+            self.restrict_heads(None)
+            return
+        vocab = self.config.vocab_size
+        if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
+            raise ValueError(f"a draft vocabulary is distinct token ids in [0, {vocab})")
+        self.vocab_ids = upload(list(ids), self.target.device, torch.long)
+        self.vocab_rows = self.target.lm_head.weight[self.vocab_ids].contiguous()
+        self.restrict_heads(self.vocab_ids)
+
+    def check_trainable(self) -> None:
+        if self.vocab_ids is not None:
+            raise RuntimeError("a drafter restricted to a draft vocabulary serves only; train it with every token")
+
+    def restrict_heads(self, ids: torch.Tensor | None) -> None:
+        """Subclasses with their own vocabulary-sized outputs restrict them here."""
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Sampled positions in the draft vocabulary -> token ids."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
+    def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
+        """Draft distributions [..., N] over the draft vocabulary -> [..., V], zero outside it."""
+        if self.vocab_ids is None:
+            return probs
+        full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.vocab_ids, probs)
 
     def bind(self, target: CausalLM, num_blocks: int, block_size: int) -> None:
         check_compatible(self.config, target)

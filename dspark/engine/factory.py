@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 
 from dspark.config import EngineConfig
+from dspark.drafters.neural import NeuralDrafter
 from dspark.drafters.registry import load_drafter
+from dspark.drafters.vocab import top_ids
 from dspark.engine.engine import LLMEngine
 from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
 from dspark.models.qwen3 import CausalLM
@@ -36,8 +38,11 @@ def default_spec(model: str | Path | None) -> tuple[str | None, str]:
 
 def build_engine(model: str | Path | None = None, drafter: str | None = None, policy: str | None = None,
                  cfg: EngineConfig | None = None, gamma: int | None = None, profile: str = "auto",
-                 gate: GateConfig | None = None, loaded: tuple[CausalLM, TextTokenizer] | None = None) -> LLMEngine:
+                 gate: GateConfig | None = None, loaded: tuple[CausalLM, TextTokenizer] | None = None,
+                 draft_vocab: int = 0) -> LLMEngine:
     """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs).
+    draft_vocab: draft from the N most frequent tokens of the model's `token_counts.json`
+    (0: the whole vocabulary; `dspark/drafters/vocab.py`).
     loaded: the target and tokenizer already loaded from this model by `load_model` on cfg's
     device and dtype, to share one copy of the weights between engines (a benchmark that runs
     several configurations side by side, as one deployment serves one model)."""
@@ -62,9 +67,17 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
             if not 1 <= gamma <= d.config.gamma:
                 raise ValueError(f"gamma must be in 1..{d.config.gamma} for this drafter")
             d.config = d.config.replace(gamma=gamma)
+    if draft_vocab and d is None:
+        raise ValueError("--draft-vocab needs a drafter")
+    if draft_vocab and not isinstance(d, NeuralDrafter):
+        raise ValueError(f"the {d.config.kind} drafter has no LM head to restrict (--draft-vocab)")
+    ids = top_ids(path, draft_vocab) if draft_vocab else None
     engine = LLMEngine(net, tok, cfg, drafter=d, policy=policy, gate=gate)
+    if ids is not None:
+        d.restrict_vocab(ids)  # type: ignore[union-attr]
     if d is not None and engine.policy.needs_cost and profile != "off":
-        key = profile_key(str(path), f"{drafter}:{d.config.gamma}", cfg.device, cfg.dtype, d.config.gamma,
+        name = f"{drafter}:{d.config.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
+        key = profile_key(str(path), name, cfg.device, cfg.dtype, d.config.gamma,
                           cfg.max_num_batched_tokens, cfg.max_num_seqs)
         prof = None if profile == "refresh" else load_cached(key)
         if prof is None:

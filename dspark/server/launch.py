@@ -45,7 +45,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         seed=getattr(args, "seed", 0),
     )
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
-                      policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None))
+                      policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None),
+                      draft_vocab=getattr(args, "draft_vocab", 0))
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

@@ -1,0 +1,130 @@
+"""Draft vocabularies (`dspark draft-vocab`, `--draft-vocab N`): the token counts file, the
+restricted proposal (tokens inside the set, probabilities zero outside it), greedy output
+identical to plain decoding for every neural drafter, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+
+from dspark.cli import main
+from dspark.config import EngineConfig
+from dspark.drafters.base import ProposeInput, save_drafter
+from dspark.drafters.registry import new_config, new_drafter
+from dspark.drafters.vocab import count_tokens, coverage, read_counts, top_ids, write_counts
+from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import build_engine
+from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams, SamplingRows
+from tests.test_spec_engine import PROMPTS, run
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def engine_for(path, kind, policy, ids):
+    net, tok = load_model(path)
+    torch.manual_seed(0)
+    drafter = new_drafter(new_config(kind, net.config, tok.token_id("<|mask|>") or 0))
+    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96),
+                       drafter=drafter, policy=policy)
+    drafter.restrict_vocab(ids)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_dir):
+    net, tok = load_model(qwen3_dir)
+    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96))
+    return [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)]
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp"])
+def test_greedy_output_unchanged_with_a_draft_vocabulary(qwen3_dir, plain, kind):
+    vocab = load_model(qwen3_dir)[0].config.vocab_size
+    for policy in ("static:7", "dspark"):
+        engine = engine_for(qwen3_dir, kind, policy, list(range(0, vocab, 2)))  # half the tokens
+        assert [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)] == plain, (kind, policy)
+
+
+def propose(drafter, rows):
+    inputs = [ProposeInput("r", anchor=5, context_len=0, history=[], generator=torch.Generator().manual_seed(1))]
+    drafter.pool.append("r", 0)
+    return drafter.propose(inputs, rows)
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_restricted_block_drafts_inside_the_set(qwen3_dir, kind):
+    engine = engine_for(qwen3_dir, kind, "static:7", None)
+    drafter, vocab = engine.drafter, engine.model.config.vocab_size
+    greedy, sampled = (SamplingRows.same(1, SamplingParams(temperature=t)) for t in (0.0, 1.0))
+    full = propose(drafter, greedy)
+    ids = list(range(vocab - 1, -1, -1))  # every token, in another order: the same greedy block
+    drafter.restrict_vocab(ids)
+    again = propose(drafter, greedy)
+    assert torch.equal(full.tokens, again.tokens) and torch.equal(full.probs, again.probs)
+    subset = list(range(1, vocab, 3))
+    drafter.restrict_vocab(subset)
+    block = propose(drafter, sampled)
+    assert set(block.tokens.flatten().tolist()) <= set(subset)
+    assert block.probs.shape[-1] == vocab
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[subset] = False
+    assert float(block.probs[..., outside].abs().max()) == 0.0
+    assert torch.allclose(block.probs.sum(-1), torch.ones(1, drafter.gamma))
+    with pytest.raises(RuntimeError, match="serves only"):
+        drafter.train_forward(torch.zeros(1, 8, len(drafter.taps) * drafter.config.hidden_size),
+                              torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    drafter.restrict_vocab(None)
+    assert propose(drafter, sampled).probs.shape[-1] == vocab
+
+
+def test_bad_draft_vocabularies_are_refused(qwen3_dir):
+    engine = engine_for(qwen3_dir, "dspark", "static:7", None)
+    vocab = engine.model.config.vocab_size
+    for bad in ([], [0, 0], [vocab], [-1]):
+        with pytest.raises(ValueError, match="distinct token ids"):
+            engine.drafter.restrict_vocab(bad)
+
+
+def test_counts_file_ranks_tokens_and_reports_coverage(tmp_path, qwen3_dir):
+    tok = load_model(qwen3_dir)[1]
+    rows = [{"response_ids": [7, 7, 7, 3, 3, 9]}, {"text": "def add"}]
+    counts = count_tokens(rows, tok)
+    assert counts == Counter([7, 7, 7, 3, 3, 9, *tok.encode("def add")])
+    write_counts(tmp_path, Counter({7: 3, 3: 2, 9: 1}), "x.jsonl")
+    assert read_counts(tmp_path)["ids"] == [7, 3, 9]
+    assert top_ids(tmp_path, 2) == [7, 3]
+    assert coverage(tmp_path, [1, 2, 3]) == {1: 0.5, 2: pytest.approx(5 / 6), 3: 1.0}
+    with pytest.raises(ValueError, match="1..3"):
+        top_ids(tmp_path, 4)
+    with pytest.raises(ValueError, match="response_ids"):
+        count_tokens([{"prompt": "hi"}], tok)
+
+
+def test_draft_vocab_command_and_engine_option(tmp_path, qwen3_dir, plain):
+    model, drafter_dir = tmp_path / "model", tmp_path / "drafter"
+    shutil.copytree(qwen3_dir, model)
+    net, tok = load_model(model)
+    torch.manual_seed(0)
+    d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0))
+    save_drafter(d, d.config, drafter_dir)
+    cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
+    with pytest.raises(FileNotFoundError, match="dspark draft-vocab"):
+        build_engine(model, str(drafter_dir), "static:7", cfg, profile="off", draft_vocab=8)
+    data = tmp_path / "answers.jsonl"
+    answers = [tok.encode(p) for p in PROMPTS]
+    data.write_text("".join(json.dumps({"response_ids": a}) + "\n" for a in answers))
+    assert main(["draft-vocab", "--model", str(model), "--data", str(data)]) == 0
+    ranked = read_counts(model)["ids"]
+    assert ranked[0] == Counter(t for a in answers for t in a).most_common(1)[0][0]
+    with pytest.raises(ValueError, match="no LM head"):
+        build_engine(model, "ngram", "static:7", EngineConfig(device="cpu"), profile="off", draft_vocab=8)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        build_engine(model, None, "none", EngineConfig(device="cpu"), profile="off", draft_vocab=8)
+    engine = build_engine(model, str(drafter_dir), "static:7", cfg, profile="off", draft_vocab=len(ranked) // 2)
+    assert engine.drafter.vocab_ids.tolist() == ranked[: len(ranked) // 2]
+    assert [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)] == plain

@@ -54,22 +54,23 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--policies", default="none,static:7,dspark")
-    ap.add_argument("--draft-vocab", type=int, default=0, help="draft from the N most frequent tokens (0: all)")
+    ap.add_argument("--policies", default="none,static:7,dspark",
+                    help="policies of the shipped dspark drafter; POLICY@N drafts from the N most frequent tokens")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     prompts = load_prompt_texts(["gsm8k", "humaneval", "mt-bench"], 8)[: args.concurrency]
     while len(prompts) < args.concurrency:
         prompts += prompts[: args.concurrency - len(prompts)]
-    for policy in args.policies.split(","):
-        vocab = args.draft_vocab if policy != "none" else 0
-        engine = build_engine("dspark-tiny", policy=policy, cfg=EngineConfig(device=args.device), draft_vocab=vocab)
+    for name in args.policies.split(","):
+        policy, _, vocab = name.partition("@")
+        engine = build_engine("dspark-tiny", policy=policy, cfg=EngineConfig(device=args.device),
+                              draft_vocab=int(vocab or 0))
         one_pass(engine, prompts, args.max_tokens, sync)
         res = one_pass(engine, prompts, args.max_tokens, sync)
         gate = getattr(engine.runner, "gate", None)
         state = "" if gate is None else f" gate open={gate.open} interval={gate.interval}"
-        print(f"{policy:10s} C={args.concurrency}: {res}{state}", flush=True)
+        print(f"{name:10s} C={args.concurrency}: {res}{state}", flush=True)
 
 
 if __name__ == "__main__":

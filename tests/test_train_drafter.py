@@ -62,3 +62,25 @@ def test_init_from_trains_and_exports(qwen3_dir, saved):
 def test_init_from_refuses_another_kind(qwen3_dir, saved):
     with pytest.raises(ValueError, match="not 'eagle3'"):
         build(config(qwen3_dir, saved, kind="eagle3"))
+
+
+def test_init_from_grows_a_deeper_backbone_that_computes_the_same(qwen3_dir, saved):
+    """num_layers above the saved drafter's: its layers first, new ones that add nothing yet."""
+    start = load_drafter(str(saved / "start")).float()
+    target, _, drafter, dcfg = build(config(qwen3_dir, saved, num_layers=4))
+    assert dcfg.num_layers == 4 and len(drafter.backbone.layers) == 4
+    torch.manual_seed(0)
+    taps = torch.randn(2, 16, len(dcfg.taps) * dcfg.hidden_size)
+    tokens = torch.randint(4, dcfg.vocab_size, (2, 16))
+    anchors = torch.tensor([[1, 5], [0, 8]])
+    start._target = [target]
+    with torch.no_grad():
+        a, ca = start.train_forward(taps, tokens, anchors)
+        b, cb = drafter.train_forward(taps, tokens, anchors)
+    assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ca, cb, atol=1e-5)
+    train(config(qwen3_dir, saved, num_layers=4, export_dir=str(saved / "deep")))
+    deep = load_drafter(str(saved / "deep"))
+    assert deep.config.num_layers == 4
+    assert deep.state_dict()["backbone.layers.3.mlp.down_proj.weight"].abs().sum() > 0  # the new layers trained
+    with pytest.raises(ValueError, match="deeper"):
+        build(config(qwen3_dir, saved, num_layers=1))

@@ -181,8 +181,28 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"init_from holds a {dcfg.kind!r} drafter, not {cfg.kind!r}")
     if dcfg.vocab_size != target_config.vocab_size or dcfg.hidden_size != target_config.hidden_size:
         raise ValueError("init_from drafter was built for a target of another size")
-    drafter.config = dcfg.replace(sts_temperatures=())
+    if cfg.num_layers and cfg.num_layers != dcfg.num_layers:
+        drafter = grow(drafter, cfg.num_layers)
+    drafter.config = drafter.config.replace(sts_temperatures=())
     return drafter.float()
+
+
+def grow(drafter, num_layers: int):
+    """A deeper copy of a DSpark/DFlash drafter that computes exactly what it did: its layers
+    first, then new layers whose output projections (attention o_proj, MLP down_proj) start at
+    zero, so each new layer adds nothing to the residual stream until training moves it."""
+    old = drafter.config.num_layers
+    if drafter.config.kind not in ("dspark", "dflash") or num_layers < old:
+        raise ValueError(f"can grow a dspark/dflash backbone deeper, not a {drafter.config.kind} "
+                         f"drafter from {old} to {num_layers} layers")
+    deeper = new_drafter(drafter.config.replace(num_layers=num_layers))
+    missing, unexpected = deeper.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("backbone.layers.") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in deeper.backbone.layers[old:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return deeper
 
 
 def setup_distributed(device: torch.device) -> tuple[int, int]:

@@ -421,3 +421,10 @@ def test_repeated_runs_merge_into_one_row():
     assert row["completion_tokens"] == 1100 and row["steps"] == 250 and row["peak_kv_blocks"] == 12
     assert abs(row["ttft_mean_s"] - 0.03) < 1e-12 and row["acceptance_rate"] is None and row["config"] == "none"
     assert merge_runs(runs[:1])["throughput_runs"] == [100.0]
+
+
+def test_offline_sweeps_only_the_drafters_named(qwen3_dir, dspark_dir, tmp_path):
+    s = offline.OfflineSettings(model=str(qwen3_dir), drafters=(str(dspark_dir),), datasets=("gsm8k",),
+                                num_prompts=1, max_tokens=4, thresholds=(0.5,), device="cpu", sweep=())
+    data = offline.run(s, tmp_path)
+    assert data["threshold_sweep"] == [] and {r["drafter"] for r in data["rows"]} == {"dspark-random"}

@@ -57,6 +57,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--temperature", type=_floats, default=None, help="one or more, e.g. 0,1 (default 0)")
     o.add_argument("--gamma", type=int, default=7)
     o.add_argument("--thresholds", type=_floats, default=None, help="sweep for DSpark drafters (default 0.0..0.9)")
+    o.add_argument("--sweep", type=_names, default=None,
+                   help="the DSpark drafters (as listed in --drafters) to sweep (default: every one without @N)")
     o.add_argument("--seed", type=int, default=0)
     o.set_defaults(func=run_offline)
 
@@ -120,7 +122,7 @@ def run_offline(args: argparse.Namespace) -> int:
     fields.update(_given(args, model="model", device="device", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", seed="seed"))
     for field, arg in (("drafters", "drafters"), ("datasets", "datasets"), ("temperatures", "temperature"),
-                       ("thresholds", "thresholds")):
+                       ("thresholds", "thresholds"), ("sweep", "sweep")):
         if getattr(args, arg) is not None:
             fields[field] = tuple(getattr(args, arg))
     offline.run(offline.OfflineSettings(**fields), _out(args, "offline"))

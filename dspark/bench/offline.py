@@ -51,6 +51,7 @@ class OfflineSettings:
     seed: int = 0
     thresholds: tuple[float, ...] = THRESHOLDS
     device: str | None = None
+    sweep: tuple[str, ...] | None = None  # drafters (as listed) with a threshold sweep; None: every DSpark one
 
 
 QUICK = dict(num_prompts=2, max_tokens=32, thresholds=(0.0, 0.5, 0.9))
@@ -116,7 +117,7 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
         for t in s.temperatures:
             outs = decode_each(engine, jobs, t, s, f"{label} T={t}")
             rows += dataset_rows(outs, drafter=label, kind=kind, policy=f"static:{g}", gamma=g, temperature=t)
-        if kind == "dspark" and s.thresholds and not vocab:  # the sweep is the drafter's, not its vocabulary's
+        if kind == "dspark" and s.thresholds and (name in s.sweep if s.sweep is not None else not vocab):
             sweeps[label] = []
             for th in tqdm(s.thresholds, desc=f"{label} threshold sweep", disable=None):
                 engine = build_engine(path, base, f"threshold:{th}", cfg, gamma=g, profile="off", draft_vocab=vocab)

@@ -76,7 +76,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_draft_vocab(args: argparse.Namespace) -> int:
-    from dspark.drafters.vocab import count_tokens, coverage, write_counts
+    from dspark.drafters.vocab import count_tokens, coverage, expected_counts, write_counts
     from dspark.models.loader import resolve_model_path
     from dspark.models.tokenizer import TextTokenizer
 
@@ -86,7 +86,13 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     for name in args.data:
         with open(name) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    path = write_counts(model_dir, count_tokens(rows, tok), " ".join(args.data))
+    if args.expected:
+        from dspark.models.loader import load_target
+
+        counts = expected_counts(rows, load_target(model_dir, args.device or "cpu", "float32"), tok)
+    else:
+        counts = count_tokens(rows, tok)
+    path = write_counts(model_dir, counts, " ".join(args.data), "expected" if args.expected else "sampled")
     print(f"{path}: {len(rows)} rows")
     sizes = [s for s in (256, 512, 1024, 2048, 4096) if s < tok.vocab_size]
     for size, share in coverage(model_dir, sizes).items():
@@ -154,6 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="the model directory that gets token_counts.json")
     v.add_argument("--data", nargs="+", required=True,
                    help="JSONL rows with `response_ids` (dspark train regen output) or `text`")
+    v.add_argument("--expected", action="store_true",
+                   help="sum the target's temperature-1 distributions instead of counting the sampled tokens")
+    v.add_argument("--device", default=None, help="where the target runs for --expected (default cpu)")
     v.set_defaults(func=cmd_draft_vocab)
 
     p = sub.add_parser("profile", help="measure/print the step-cost profile (SPS and draft time)")

@@ -15,7 +15,7 @@ from dspark.cli import main
 from dspark.config import EngineConfig
 from dspark.drafters.base import ProposeInput, save_drafter
 from dspark.drafters.registry import new_config, new_drafter
-from dspark.drafters.vocab import count_tokens, coverage, read_counts, top_ids, write_counts
+from dspark.drafters.vocab import count_tokens, coverage, expected_counts, read_counts, top_ids, write_counts
 from dspark.engine.engine import LLMEngine
 from dspark.engine.factory import build_engine
 from dspark.models.loader import load_model
@@ -128,3 +128,17 @@ def test_draft_vocab_command_and_engine_option(tmp_path, qwen3_dir, plain):
     engine = build_engine(model, str(drafter_dir), "static:7", cfg, profile="off", draft_vocab=len(ranked) // 2)
     assert engine.drafter.vocab_ids.tolist() == ranked[: len(ranked) // 2]
     assert [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)] == plain
+
+
+def test_expected_counts_sum_the_targets_distributions(qwen3_dir):
+    net, tok = load_model(qwen3_dir)
+    prompt, answer = tok.encode("def add(a, b):"), tok.encode(" return a + b")
+    counts = expected_counts([{"prompt_ids": prompt, "response_ids": answer}], net, tok)
+    assert sum(counts.values()) == pytest.approx(len(answer), rel=1e-5)  # one distribution per answer token
+    with torch.no_grad():
+        hidden, _ = net.forward_dense(torch.tensor([prompt + answer]))
+        probs = net.logits(hidden[0, len(prompt) - 1 : -1], normed=True).softmax(-1).sum(0)
+    top = int(probs.argmax())
+    assert counts.most_common(1)[0][0] == top and counts[top] == pytest.approx(float(probs[top]), rel=1e-5)
+    text = expected_counts([{"text": "def add(a, b): return a + b"}], net, tok)
+    assert sum(text.values()) == pytest.approx(len(tok.encode("def add(a, b): return a + b")) - 1, rel=1e-5)

@@ -2,7 +2,10 @@
 
 `dspark draft-vocab --data FILE.jsonl [--model M]` counts the tokens of the target's own
 answers (rows with `response_ids`, as `dspark train regen` writes them, or a `text` string,
-tokenised) and writes `token_counts.json` into the model's directory. `--draft-vocab N`
+tokenised) and writes `token_counts.json` into the model's directory. `--expected` counts
+instead what the target expects at temperature 1: its full next-token distribution summed
+over every answer position (answers sampled at a lower temperature, or with top-p, undercount
+the tail that temperature-1 sampling draws from). `--draft-vocab N`
 (generate, serve, bench; `LLM(draft_vocab=N)`) then drafts from the N most frequent tokens
 (`NeuralDrafter.restrict_vocab`): a cheaper proposal, the same output distribution.
 """
@@ -14,6 +17,9 @@ from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
+import torch
+
+from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 
 FILE = "token_counts.json"
@@ -32,11 +38,35 @@ def count_tokens(rows: Iterable[dict], tokenizer: TextTokenizer) -> Counter:
     return counts
 
 
-def write_counts(model_dir: Path, counts: Counter, source: str) -> Path:
-    """token_counts.json: token ids most frequent first, with their counts."""
+@torch.inference_mode()
+def expected_counts(rows: Iterable[dict], model: CausalLM, tokenizer: TextTokenizer) -> Counter:
+    """The target's next-token probabilities (temperature 1) summed over the answer positions:
+    rows with `prompt_ids` + `response_ids` (the answer's positions) or `text` (every position)."""
+    total = torch.zeros(model.config.vocab_size, dtype=torch.float64)
+    limit = model.config.max_position_embeddings
+    for i, row in enumerate(rows):
+        if isinstance(row.get("response_ids"), list):
+            prompt, ids = list(row.get("prompt_ids", [])), list(row["response_ids"])
+        elif isinstance(row.get("text"), str):
+            prompt, ids = [], tokenizer.encode(row["text"])
+        else:
+            raise ValueError(f"row {i}: needs `response_ids` (a list of token ids) or `text` (a string)")
+        seq = (prompt + ids)[:limit]
+        first = max(len(prompt) - 1, 0)  # the distribution that predicts the answer's first token
+        if len(seq) - 1 <= first:
+            continue
+        hidden, _ = model.forward_dense(torch.tensor([seq], device=model.device))
+        probs = model.logits(hidden[0, first : len(seq) - 1], normed=True).softmax(-1)
+        total += probs.sum(0).double().cpu()
+    return Counter({t: float(c) for t, c in enumerate(total.tolist()) if c > 0})
+
+
+def write_counts(model_dir: Path, counts: Counter, source: str, kind: str = "sampled") -> Path:
+    """token_counts.json: token ids most frequent first, with their counts (sampled tokens, or the
+    target's expected counts)."""
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     path = Path(model_dir) / FILE
-    path.write_text(json.dumps({"source": source, "total": sum(counts.values()),
+    path.write_text(json.dumps({"source": source, "kind": kind, "total": sum(counts.values()),
                                 "ids": [t for t, _ in ranked], "counts": [c for _, c in ranked]}))
     return path
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -25,16 +26,21 @@ from dspark.models.tokenizer import TextTokenizer
 FILE = "token_counts.json"
 
 
+def answer(row: dict, i: int, tokenizer: TextTokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of row i: `prompt_ids` (optional) + `response_ids`, or a `text`
+    string (all answer, no prompt)."""
+    if isinstance(row.get("response_ids"), list):
+        return [int(t) for t in row.get("prompt_ids", [])], [int(t) for t in row["response_ids"]]
+    if isinstance(row.get("text"), str):
+        return [], tokenizer.encode(row["text"])
+    raise ValueError(f"row {i}: needs `response_ids` (a list of token ids) or `text` (a string)")
+
+
 def count_tokens(rows: Iterable[dict], tokenizer: TextTokenizer) -> Counter:
-    """Token frequencies over rows with `response_ids` (token ids) or `text` (a string)."""
+    """Token frequencies over the rows' answers (see `answer`)."""
     counts: Counter = Counter()
     for i, row in enumerate(rows):
-        if isinstance(row.get("response_ids"), list):
-            counts.update(int(t) for t in row["response_ids"])
-        elif isinstance(row.get("text"), str):
-            counts.update(tokenizer.encode(row["text"]))
-        else:
-            raise ValueError(f"row {i}: needs `response_ids` (a list of token ids) or `text` (a string)")
+        counts.update(answer(row, i, tokenizer)[1])
     return counts
 
 
@@ -45,12 +51,7 @@ def expected_counts(rows: Iterable[dict], model: CausalLM, tokenizer: TextTokeni
     total = torch.zeros(model.config.vocab_size, dtype=torch.float64)
     limit = model.config.max_position_embeddings
     for i, row in enumerate(rows):
-        if isinstance(row.get("response_ids"), list):
-            prompt, ids = list(row.get("prompt_ids", [])), list(row["response_ids"])
-        elif isinstance(row.get("text"), str):
-            prompt, ids = [], tokenizer.encode(row["text"])
-        else:
-            raise ValueError(f"row {i}: needs `response_ids` (a list of token ids) or `text` (a string)")
+        prompt, ids = answer(row, i, tokenizer)
         seq = (prompt + ids)[:limit]
         first = max(len(prompt) - 1, 0)  # the distribution that predicts the answer's first token
         if len(seq) - 1 <= first:
@@ -90,11 +91,5 @@ def top_ids(model_dir: Path, size: int) -> list[int]:
 def coverage(model_dir: Path, sizes: Iterable[int]) -> dict[int, float]:
     """Share of the counted tokens inside the top-`size` set, per size."""
     data = read_counts(model_dir)
-    cum, out, total = 0, {}, max(1, data["total"])
-    wanted = sorted(set(sizes))
-    for rank, c in enumerate(data["counts"], start=1):
-        cum += c
-        if wanted and rank == wanted[0]:
-            out[wanted.pop(0)] = cum / total
-    out.update({s: cum / total for s in wanted})
-    return out
+    cum, total = list(accumulate(data["counts"])), max(1, data["total"])
+    return {s: cum[min(s, len(cum)) - 1] / total if cum else 0.0 for s in sorted(set(sizes))}

@@ -7,6 +7,7 @@ import torch
 
 from dspark.engine.batch import Batch, BatchRow
 from dspark.kv_cache import PagedKVCache
+from dspark.models.attention import SHORT_QUERY
 from dspark.models.loader import load_model
 
 TOL = 1e-5  # measured worst case 1.5e-6 (fp32, tiny random models)
@@ -53,6 +54,34 @@ def test_flat_paged_batch_matches_transformers(model_dir):
                 want = refs[r][done[r] : done[r] + n]
                 assert (got - want).abs().max().item() < TOL, (r, plan)
                 done[r] += n
+
+
+def test_long_prefill_between_decodes_matches_transformers(model_dir):
+    """A prefill chunk longer than SHORT_QUERY attends in its own group, between decode rows
+    (the output is put back in flat order), and then decodes in the short group."""
+    net, tok = load_model(model_dir)
+    short = [tok.encode("The quick brown fox"), tok.encode("Natalia sold clips")]
+    long = tok.encode("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n" * 2)
+    assert len(long) > SHORT_QUERY + 4
+    full = [short[0] + [5, 17, 42], long + [9, 3], short[1] + [30, 31, 32, 33]]
+    refs = [hf_logits(model_dir, ids) for ids in full]
+    kv = PagedKVCache(net.config, num_blocks=64, block_size=4, device="cpu", dtype=torch.float32)
+    done = [0, 0, 0]
+    plans = [[len(short[0]), 0, len(short[1])], [1, len(long) - 3, 2], [2, 3, 1], [0, 2, 1]]
+    with torch.no_grad():
+        for plan in plans:
+            live = [r for r, n in enumerate(plan) if n]
+            rows = []
+            for r in live:
+                kv.pool.append(str(r), plan[r])
+                rows.append(BatchRow(str(r), full[r][done[r] : done[r] + plan[r]], done[r] + plan[r], plan[r]))
+            batch = Batch.build(rows, kv.pool, "cpu")
+            out = net(batch.input_ids, batch.meta, kv.layers, batch.logits_indices)
+            for i, r in enumerate(live):
+                got = out.logits[batch.cu_logits[i] : batch.cu_logits[i + 1]]
+                want = refs[r][done[r] : done[r] + plan[r]]
+                assert (got - want).abs().max().item() < TOL, (r, plan)
+                done[r] += plan[r]
 
 
 def test_truncate_then_continue_matches(qwen3_dir):

@@ -3,7 +3,9 @@
 The engine concatenates the new tokens of many requests into one flat `[N]` batch (a
 prefill chunk of one request, the decode token of another, the anchor and draft tokens
 of a third). Projections run on the flat tensor; only attention regroups queries per
-request, because each request attends to its own cached keys with its own causal offset.
+request, because each request attends to its own cached keys with its own causal offset:
+decode-shaped requests (a few new tokens each) are padded to one grid, every longer prefill
+chunk attends on its own, and each request's context is gathered whole blocks at a time.
 
 `AttentionMetadata.build` is computed once per step and shared by all layers.
 """
@@ -18,21 +20,33 @@ from torch.nn import functional as F
 
 from dspark.device import upload
 
+SHORT_QUERY = 16  # requests with at most this many new tokens (decode, verify) share one attention call
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Requests whose queries are padded to one grid. For R requests of the group, Q = their
+    longest query, K = their longest context rounded up to whole blocks (B of `block_size`):"""
+
+    query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
+    query_rows: torch.Tensor  # [n] long: the valid entries of the flattened [R, Q] grid, in order
+    kv_blocks: torch.Tensor  # [R, B] cache block of request r's j-th block of context (0 = pad)
+    mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
-    """Where each flat token sits, and which cache slots each request attends to.
+    """Where each flat token sits, which cache slots it writes, and the attention groups.
 
-    For R requests, N flat tokens, Q = max query length, K = max context length rounded up to
-    whole blocks (B blocks of `block_size`):
+    Padding every request to the step's longest query would make 63 decode tokens sharing a step
+    with one 960-token prefill chunk cost 64 prefills; so the decode-shaped requests (at most
+    `SHORT_QUERY` new tokens) form one group and every longer chunk is a group of its own.
     """
 
     positions: torch.Tensor  # [N] absolute position of each new token
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
-    query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
-    query_rows: torch.Tensor  # [N] long: the valid entries of the flattened [R, Q] grid, in order
-    kv_blocks: torch.Tensor  # [R, B] cache block of request r's j-th block of context (0 = pad)
-    mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
+    groups: tuple[AttentionGroup, ...]
+    order: torch.Tensor | None  # [N] row of flat token i in the groups' concatenated output (None: in order)
     block_size: int = 16
 
     @staticmethod
@@ -52,41 +66,57 @@ class AttentionMetadata:
         """
         if any(q < 1 or c < q for q, c in zip(query_lens, context_lens, strict=True)):
             raise ValueError("every request needs >= 1 new token and context_len >= query_len")
-        qlens = torch.tensor(query_lens, dtype=torch.long)
-        clens = torch.tensor(context_lens, dtype=torch.long)
-        num_q, num_k = max(query_lens), max(context_lens)
-        offs = torch.arange(num_q)
-        query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
-        starts = torch.cumsum(qlens, 0) - qlens
-        query_index = torch.where(query_valid, starts[:, None] + offs[None, :], 0)
-        qpos = (clens - qlens)[:, None] + offs[None, :]  # [R, Q]
-        positions = qpos[query_valid]  # [N]
-        width = -(-num_k // block_size)  # the blocks attention reads: whole blocks up to the longest context
         if any(len(t) * block_size < c for t, c in zip(block_tables, context_lens, strict=True)):
             raise ValueError("a block table is shorter than its context")
-        tables = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables],
-                              dtype=torch.long)  # [R, B]
-        keys = torch.arange(width * block_size)
-        kv_valid = keys[None, :] < clens[:, None]  # [R, K]: a block's tail past the context, and padding, are masked
-        qblock = tables.gather(1, torch.where(query_valid, qpos, 0) // block_size)  # [R, Q]
-        slot_mapping = (qblock * block_size + qpos % block_size)[query_valid]
-        mask = kv_valid[:, None, :].expand(-1, num_q, -1)
-        if causal:
-            mask = mask & (keys[None, None, :] <= qpos[:, :, None])
-        mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
-        return AttentionMetadata(
-            positions=upload(positions, device),
-            slot_mapping=upload(slot_mapping, device),
-            query_index=upload(query_index, device),
-            query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
-            kv_blocks=upload(tables, device),
-            mask=upload(mask[:, None], device),
-            block_size=block_size,
-        )
+        starts, positions, slots = [], [], []
+        for q, c, table in zip(query_lens, context_lens, block_tables, strict=True):
+            starts.append(len(positions))
+            positions.extend(range(c - q, c))
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
+        short = [r for r, q in enumerate(query_lens) if q <= SHORT_QUERY]
+        members = ([short] if short else []) + [[r] for r, q in enumerate(query_lens) if q > SHORT_QUERY]
+        groups = tuple(_group([query_lens[r] for r in m], [context_lens[r] for r in m], [block_tables[r] for r in m],
+                              [starts[r] for r in m], block_size, device, causal) for m in members)
+        flat = [starts[r] + i for m in members for r in m for i in range(query_lens[r])]
+        order = None
+        if flat != list(range(len(flat))):
+            inverse = [0] * len(flat)
+            for row, token in enumerate(flat):
+                inverse[token] = row
+            order = upload(inverse, device, torch.long)
+        return AttentionMetadata(upload(positions, device, torch.long), upload(slots, device, torch.long),
+                                 groups, order, block_size)
 
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
+           starts: Sequence[int], block_size: int, device, causal: bool) -> AttentionGroup:
+    """The padded grid of some requests whose new tokens start at flat offsets `starts`."""
+    qlens = torch.tensor(query_lens, dtype=torch.long)
+    clens = torch.tensor(context_lens, dtype=torch.long)
+    num_q = max(query_lens)
+    width = -(-max(context_lens) // block_size)  # whole blocks up to the longest context
+    offs = torch.arange(num_q)
+    query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
+    query_index = torch.where(query_valid, torch.tensor(starts, dtype=torch.long)[:, None] + offs[None, :], 0)
+    qpos = (clens - qlens)[:, None] + offs[None, :]  # [R, Q]
+    tables = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in block_tables],
+                          dtype=torch.long)  # [R, B]
+    keys = torch.arange(width * block_size)
+    kv_valid = keys[None, :] < clens[:, None]  # [R, K]: a block's tail past the context, and padding, are masked
+    mask = kv_valid[:, None, :].expand(-1, num_q, -1)
+    if causal:
+        mask = mask & (keys[None, None, :] <= qpos[:, :, None])
+    mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
+    return AttentionGroup(
+        query_index=upload(query_index, device),
+        query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
+        kv_blocks=upload(tables, device),
+        mask=upload(mask[:, None], device),
+    )
 
 
 def paged_attention(
@@ -100,29 +130,37 @@ def paged_attention(
     """Write the new K/V into their slots, then attend each request to its own context."""
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
-    heads, kv_heads = q.shape[1], k.shape[1]
+    outs = [group_attention(q, k_cache, v_cache, g, meta.block_size) for g in meta.groups]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out if meta.order is None else out[meta.order]
+
+
+def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                    block_size: int) -> torch.Tensor:
+    """One group's queries (flat q [N, H, D]) against their contexts -> [n, H, D], group order."""
+    heads, kv_heads = q.shape[1], k_cache.shape[1]
     rep = heads // kv_heads
-    qp = q[meta.query_index].transpose(1, 2)  # [R, H, Q, D]
-    kp, vp = context_kv(k_cache, meta), context_kv(v_cache, meta)  # [R, Hkv, K, D]
+    qp = q[group.query_index].transpose(1, 2)  # [R, H, Q, D]
+    kp, vp = context_kv(k_cache, group, block_size), context_kv(v_cache, group, block_size)  # [R, Hkv, K, D]
     r, _, nq, d = qp.shape
-    mask = meta.mask
+    mask = group.mask
     if rep > 1:  # GQA without copying K/V: fold each KV head's query group into the query axis
         qp = qp.reshape(r, kv_heads, rep * nq, d)
         mask = mask.repeat(1, 1, rep, 1)
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)  # [R, Hkv, rep*Q, D]
     out = out.reshape(r, heads, nq, d)
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
-    return out.transpose(1, 2).reshape(r * nq, heads, d)[meta.query_rows]  # [N, H, D]
+    return out.transpose(1, 2).reshape(r * nq, heads, d)[group.query_rows]
 
 
-def context_kv(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def context_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
     """[num_slots, Hkv, D] -> each request's context [R, Hkv, K, D], gathered whole blocks at a
     time (a block is one contiguous copy: at 64 requests this halves the gather's cost against
     indexing every slot)."""
-    r, width = meta.kv_blocks.shape
-    blocks = cache.view(-1, meta.block_size, *cache.shape[1:])  # [num_blocks, block_size, Hkv, D]
-    picked = blocks.index_select(0, meta.kv_blocks.flatten())  # [R*B, block_size, Hkv, D]
-    return picked.view(r, width * meta.block_size, *cache.shape[1:]).transpose(1, 2)
+    r, width = group.kv_blocks.shape
+    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block_size, Hkv, D]
+    picked = blocks.index_select(0, group.kv_blocks.flatten())  # [R*B, block_size, Hkv, D]
+    return picked.view(r, width * block_size, *cache.shape[1:]).transpose(1, 2)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

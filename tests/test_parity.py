@@ -7,7 +7,7 @@ import torch
 
 from dspark.engine.batch import Batch, BatchRow
 from dspark.kv_cache import PagedKVCache
-from dspark.models.attention import SHORT_QUERY
+from dspark.models.attention import SHORT_QUERY, query_bucket
 from dspark.models.loader import load_model
 
 TOL = 1e-5  # measured worst case 1.5e-6 (fp32, tiny random models)
@@ -59,6 +59,7 @@ def test_flat_paged_batch_matches_transformers(model_dir):
 def test_long_prefill_between_decodes_matches_transformers(model_dir):
     """A prefill chunk longer than SHORT_QUERY attends in its own group, between decode rows
     (the output is put back in flat order), and then decodes in the short group."""
+    assert [query_bucket(q) for q in (1, 16, 17, 32, 33, 960)] == [0, 0, 5, 5, 6, 10]
     net, tok = load_model(model_dir)
     short = [tok.encode("The quick brown fox"), tok.encode("Natalia sold clips")]
     long = tok.encode("def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n" * 2)

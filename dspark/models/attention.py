@@ -4,8 +4,8 @@ The engine concatenates the new tokens of many requests into one flat `[N]` batc
 prefill chunk of one request, the decode token of another, the anchor and draft tokens
 of a third). Projections run on the flat tensor; only attention regroups queries per
 request, because each request attends to its own cached keys with its own causal offset:
-decode-shaped requests (a few new tokens each) are padded to one grid, every longer prefill
-chunk attends on its own, and each request's context is gathered whole blocks at a time.
+decode-shaped requests (a few new tokens each) are padded to one grid, longer prefill chunks
+to grids of similar lengths, and each request's context is gathered whole blocks at a time.
 
 `AttentionMetadata.build` is computed once per step and shared by all layers.
 """
@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from dspark.device import upload
 
-SHORT_QUERY = 16  # requests with at most this many new tokens (decode, verify) share one attention call
+SHORT_QUERY = 16  # requests with at most this many new tokens (decode, verify) share one padded grid
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class AttentionMetadata:
 
     Padding every request to the step's longest query would make 63 decode tokens sharing a step
     with one 960-token prefill chunk cost 64 prefills; so the decode-shaped requests (at most
-    `SHORT_QUERY` new tokens) form one group and every longer chunk is a group of its own.
+    `SHORT_QUERY` new tokens) form one group, and longer chunks are grouped by query length in
+    powers of two (`query_bucket`).
     """
 
     positions: torch.Tensor  # [N] absolute position of each new token
@@ -73,8 +74,10 @@ class AttentionMetadata:
             starts.append(len(positions))
             positions.extend(range(c - q, c))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
-        short = [r for r, q in enumerate(query_lens) if q <= SHORT_QUERY]
-        members = ([short] if short else []) + [[r] for r, q in enumerate(query_lens) if q > SHORT_QUERY]
+        buckets: dict[int, list[int]] = {}
+        for r, q in enumerate(query_lens):
+            buckets.setdefault(query_bucket(q), []).append(r)
+        members = [buckets[b] for b in sorted(buckets)]
         groups = tuple(_group([query_lens[r] for r in m], [context_lens[r] for r in m], [block_tables[r] for r in m],
                               [starts[r] for r in m], block_size, device, causal) for m in members)
         flat = [starts[r] + i for m in members for r in m for i in range(query_lens[r])]
@@ -90,6 +93,12 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return int(self.positions.shape[0])
+
+
+def query_bucket(num_queries: int) -> int:
+    """Requests in one bucket share a padded grid: every query length up to SHORT_QUERY, then
+    (16, 32], (32, 64], ...: padding at most doubles a bucket's queries."""
+    return 0 if num_queries <= SHORT_QUERY else (num_queries - 1).bit_length()
 
 
 def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],

@@ -4,6 +4,7 @@ follows new acceptance statistics at once and a drifting profile within `recheck
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark.spec.profile import StepProfile
@@ -27,7 +28,7 @@ def stats(accept: bool, rounds: int = 200) -> AcceptanceStats:
 
 
 def test_closed_gate_probes_at_doubling_intervals():
-    gate = Gate(GateConfig(probe_every=2, probe_max=8, probe_budget=0), stats(accept=False), profile(draft_s=0.05))
+    gate = Gate(GateConfig(probe_every=2, probe_max=8, probe_budget=0, explore_budget=0), stats(accept=False), profile(draft_s=0.05))
     calls = [(gate.should_draft(1, [GAMMA]), gate.probing) for _ in range(40)]
     assert [i for i, (d, _) in enumerate(calls) if d] == [1, 5, 13, 21, 29, 37]  # waits 2, 4, 8, 8 (the cap)
     assert all(d == p for d, p in calls)  # every opening is a probe
@@ -102,7 +103,7 @@ def test_a_prefill_step_does_not_open_a_closed_gate():
 def test_expensive_probes_are_spaced_to_fit_the_probe_budget():
     """A probe costing 5 plain steps more than a plain step, with a 1% budget, waits 500 steps
     (past probe_max, below the ceiling); cheap probes keep probe_max; the ceiling holds."""
-    cfg = GateConfig(probe_every=2, probe_max=8, probe_budget=0.01, probe_ceiling=1000)
+    cfg = GateConfig(probe_every=2, probe_max=8, probe_budget=0.01, probe_ceiling=1000, explore_budget=0)
     gate = Gate(cfg, stats(accept=False), profile(draft_s=0.05))
     assert gate.longest_interval(1) == 500
     calls = [gate.should_draft(1, [GAMMA]) for _ in range(1200)]
@@ -110,6 +111,20 @@ def test_expensive_probes_are_spaced_to_fit_the_probe_budget():
     assert Gate(cfg, stats(accept=False), profile(draft_s=0.0001)).longest_interval(1) == 8
     assert Gate(GateConfig(probe_budget=0.0001, probe_ceiling=1000), stats(accept=False),
                 profile(draft_s=0.05)).longest_interval(1) == 1000
+
+
+def test_early_probes_fit_the_explore_budget():
+    """While the interval doubles, a probe costing 5 plain steps extra waits at least 5 / 2% =
+    250 steps for the next one (not 4, 8, 16, ...); the first probe still comes after
+    probe_every steps, and probe_max / the probe budget still bound the interval from above."""
+    cfg = GateConfig(probe_every=2, probe_max=64, probe_budget=0.01, probe_ceiling=1000, explore_budget=0.02)
+    gate = Gate(cfg, stats(accept=False), profile(draft_s=0.05))
+    assert gate.probe_cost(1) == pytest.approx(5.0) and gate.shortest_interval(1) == 250
+    calls = [gate.should_draft(1, [GAMMA]) for _ in range(1300)]
+    assert [i for i, d in enumerate(calls) if d][:4] == [1, 251, 751, 1251]  # waits 2, 250, 500, 500 (the budget)
+    cheap = Gate(cfg, stats(accept=False), profile(draft_s=0.001))  # a probe adds 0.1 step: at least 5 apart
+    calls = [cheap.should_draft(1, [GAMMA]) for _ in range(40)]
+    assert [i for i, d in enumerate(calls) if d] == [1, 6, 16, 36]  # waits 2, 5 (not 4), then doubling: 10, 20
 
 
 def test_a_probe_drafts_for_a_rotating_few():
@@ -123,7 +138,7 @@ def test_a_probe_drafts_for_a_rotating_few():
 def test_a_closed_gate_withholds_draft_slots_between_probes():
     """The engine loop: slots are reserved only when the gate may draft (open, or a probe due);
     the probe cadence is the same as when every step had slots."""
-    gate = Gate(GateConfig(probe_every=2, probe_max=8, probe_budget=0), stats(accept=False), profile(draft_s=0.05))
+    gate = Gate(GateConfig(probe_every=2, probe_max=8, probe_budget=0, explore_budget=0), stats(accept=False), profile(draft_s=0.05))
     drafted, with_slots = [], []
     for i in range(40):
         if gate.wants_slots():

@@ -17,7 +17,7 @@ import torch
 
 from dspark.sampling import SamplingParams, SamplingRows, draw, probabilities, sample
 from dspark.spec.schedule import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
-from dspark.spec.verify import verify
+from dspark.spec.verify import verify, verify_greedy
 
 V, GAMMA, N, TOKENS = 3, 3, 100_000, 3
 TARGET = torch.tensor([[1.2, 0.4, -0.5], [0.1, 1.0, 0.3], [-0.4, 0.2, 1.1]])  # logits of p(. | prev)
@@ -166,6 +166,25 @@ def test_greedy_verification_rule():
     assert verdict.num_accepted == [2] and verdict.tokens == [[2, 1, 1]]  # bonus after a full prefix
     verdict = verify(tokens, draft, target, torch.tensor([0]), [None])
     assert verdict.num_accepted == [0] and verdict.tokens == [[2]]
+
+
+def test_greedy_fast_path_equals_one_hot_verification():
+    """verify_greedy (argmax ids only) gives what verify gives one-hot p and q, on random blocks
+    with matches planted at random prefixes and every length l_r = 0..G."""
+    gen = torch.Generator().manual_seed(5)
+    rows, width = 64, 6
+    target_ids = torch.randint(0, V, (rows, width + 1), generator=gen)
+    draft_ids = torch.randint(0, V, (rows, width), generator=gen)
+    keep = torch.randint(0, width + 1, (rows,), generator=gen)  # plant a matching prefix of this length
+    planted = torch.arange(width)[None, :] < keep[:, None]
+    draft_ids = torch.where(planted, target_ids[:, :width], draft_ids)
+    lengths = torch.randint(0, width + 1, (rows,), generator=gen)
+    one_hot = torch.nn.functional.one_hot
+    slow = verify(draft_ids, one_hot(draft_ids, V).float(), one_hot(target_ids, V).float(), lengths, [None] * rows)
+    fast = verify_greedy(draft_ids, target_ids, lengths)
+    assert fast.num_accepted == slow.num_accepted and fast.tokens == slow.tokens
+    assert any(0 < n < ell for n, ell in zip(fast.num_accepted, lengths.tolist(), strict=True))  # rejections seen
+    assert any(n == ell > 0 for n, ell in zip(fast.num_accepted, lengths.tolist(), strict=True))  # bonus tokens seen
 
 
 def test_draw_takes_the_argmax_of_greedy_rows_and_samples_the_rest():

@@ -19,7 +19,7 @@ from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeI
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, apply_sts
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
-from dspark.sampling import SamplingRows, probabilities, sample
+from dspark.sampling import SamplingRows
 
 
 class DSparkDrafter(NeuralDrafter):
@@ -81,15 +81,14 @@ class DSparkDrafter(NeuralDrafter):
                 bias, emb, state = self.head.step(hidden[:, k], prev, state)
                 logits = logits + bias.float()
                 embs.append(emb)
-            p = probabilities(logits, rows)
-            prev = self.token_ids(sample(p, rows, generators))
+            prev, p = self.draw(logits, rows, generators)
             tokens.append(prev)
             probs.append(p)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
         raw = self.conf(hidden, torch.stack(embs, 1)) if self.conf is not None and embs else None
         confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
-        return DraftBlock(torch.stack(tokens, 1), self.full_probs(torch.stack(probs, 1)), confidence,
-                          confidence_logits=raw)
+        block = torch.stack(tokens, 1)
+        return DraftBlock(block, self.block_probs(block, probs), confidence, confidence_logits=raw)
 
     # ---- training -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -23,7 +23,7 @@ from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.models.layers import RMSNorm, Rotary
 from dspark.models.qwen3 import DecoderLayer
-from dspark.sampling import SamplingRows, probabilities, sample
+from dspark.sampling import SamplingRows
 
 
 class ShiftedDrafter(NeuralDrafter):
@@ -86,14 +86,15 @@ class ShiftedDrafter(NeuralDrafter):
                                                [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev)
                 cos, sin = self.rotary.cos_sin(meta.positions, feat.dtype)
                 out = self.layer(self.entry(feat, prev), cos, sin, meta, self.cache.layers[0])  # [R, d]
-                p = probabilities(self.lm_head(self.norm(out)), rows)
-                prev, feat = self.token_ids(sample(p, rows, gens)), out
+                prev, p = self.draw(self.lm_head(self.norm(out)), rows, gens)
+                feat = out
                 tokens.append(prev)
                 probs.append(p)
         finally:
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len)
-        return DraftBlock(torch.stack(tokens, 1), self.full_probs(torch.stack(probs, 1)), None)
+        block = torch.stack(tokens, 1)
+        return DraftBlock(block, self.block_probs(block, probs), None)
 
     # ---- training (training-time test) ------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -25,6 +25,7 @@ from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
 from dspark.kv_cache import PagedKVCache
 from dspark.models.qwen3 import CausalLM
+from dspark.sampling import SamplingRows, probabilities, sample
 
 
 class NeuralDrafter(nn.Module, Drafter):
@@ -86,6 +87,23 @@ class NeuralDrafter(nn.Module, Drafter):
             return probs
         full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
         return full.index_copy_(-1, self.vocab_ids, probs)
+
+    # ---- drawing a block left to right ----------------------------------------------------
+    def draw(self, logits: torch.Tensor, rows: SamplingRows, generators) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row of draft logits [R, V] (or [R, N]) -> (token ids [R], the
+        distribution it was drawn from; None when every row is greedy: its one-hot is built once
+        for the whole block by `block_probs`, not once per position)."""
+        if rows.all_greedy:
+            return self.token_ids(logits.argmax(-1)), None
+        p = probabilities(logits, rows)
+        return self.token_ids(sample(p, rows, generators)), p
+
+    def block_probs(self, tokens: torch.Tensor, probs: Sequence[torch.Tensor | None]) -> torch.Tensor:
+        """The block's draft distributions [R, gamma, V] from `draw`'s per-position results."""
+        if any(p is None for p in probs):  # greedy: one-hot on each drawn token
+            return torch.zeros(*tokens.shape, self.config.vocab_size, device=tokens.device).scatter_(
+                -1, tokens[..., None], 1.0)
+        return self.full_probs(torch.stack(list(probs), 1))
 
     def bind(self, target: CausalLM, num_blocks: int, block_size: int) -> None:
         check_compatible(self.config, target)

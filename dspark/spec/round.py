@@ -31,7 +31,7 @@ from dspark.sampling import probabilities
 from dspark.spec.profile import StepProfile
 from dspark.spec.schedule import NoSpeculation, Policy, algorithm1, uniform_candidates
 from dspark.spec.stats import AcceptanceStats
-from dspark.spec.verify import verify
+from dspark.spec.verify import verify, verify_greedy
 
 
 @dataclass(frozen=True)
@@ -262,18 +262,12 @@ class SpecRunner:
 
     def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int) -> None:
         reqs = [s.request for s in decode]
-        g, vocab = self.gamma, out.logits.shape[-1]
+        g = self.gamma
         logits = out.logits[batch.cu_logits[n_plain] :]  # verify rows come last: 1 + l_r logits per request
-        tprobs = probabilities(logits, sampling_rows(reqs, [1 + ell for ell in lengths], self.device))
-        padded = torch.zeros(len(decode), g + 1, vocab, device=self.device)
-        where = [(i, k) for i, ell in enumerate(lengths) for k in range(1 + ell)]  # tprobs row -> (request, k)
-        index = upload(where, self.device)
-        padded[index[:, 0], index[:, 1]] = tprobs  # one scatter, not one copy per request
         offsets = [0]
         for ell in lengths:
             offsets.append(offsets[-1] + 1 + ell)
-        verdict = verify(block.tokens, block.probs, padded, upload(lengths, self.device),
-                         [r.generator for r in reqs])
+        verdict = self._verdict(reqs, block, logits, lengths)
         for i, (r, ell) in enumerate(zip(reqs, lengths, strict=True)):
             n = verdict.num_accepted[i]
             result.tokens[r.request_id] = verdict.tokens[i]
@@ -288,6 +282,20 @@ class SpecRunner:
             self.stats.update(lengths, verdict.num_accepted)
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))
+
+    def _verdict(self, reqs: Sequence[Request], block: DraftBlock, logits: torch.Tensor, lengths: list[int]):
+        """Rejection sampling of every request's verified prefix against its 1 + l_r target logits rows."""
+        rows = sampling_rows(reqs, [1 + ell for ell in lengths], self.device)
+        where = [(i, k) for i, ell in enumerate(lengths) for k in range(1 + ell)]  # logits row -> (request, k)
+        index = upload(where, self.device)
+        shape = (len(reqs), self.gamma + 1)
+        if rows.all_greedy:  # the target's argmax per position, no [R, G+1, V] distributions
+            picks = torch.zeros(shape, dtype=torch.long, device=self.device)
+            picks[index[:, 0], index[:, 1]] = logits.argmax(-1)
+            return verify_greedy(block.tokens, picks, upload(lengths, self.device))
+        padded = torch.zeros(*shape, logits.shape[-1], device=self.device)
+        padded[index[:, 0], index[:, 1]] = probabilities(logits, rows)  # one scatter, not one copy per request
+        return verify(block.tokens, block.probs, padded, upload(lengths, self.device), [r.generator for r in reqs])
 
     def _commit_context(self, result: StepResult, ordered, batch, out) -> None:
         """Queue the tapped features of every token now committed to the target cache; the

@@ -60,6 +60,21 @@ def verify(
     return _verdict(accepted, draft_tokens, inverse_cdf(final, u[:, width]))
 
 
+def verify_greedy(
+    draft_tokens: torch.Tensor,  # [R, G] long
+    target_tokens: torch.Tensor,  # [R, G+1] long: the target's argmax at each verified position
+    lengths: torch.Tensor,  # [R] long, l_r in 0..G
+) -> Verdict:
+    """`verify` when every request is greedy, without building one-hot distributions: accept
+    while x_k is the target's argmax, then emit the argmax where the prefix stopped (the same
+    tokens `verify` gives one-hot p and q, whatever its uniforms)."""
+    width = draft_tokens.shape[1]
+    in_prefix = torch.arange(width, device=draft_tokens.device)[None, :] < lengths[:, None]
+    ok = (draft_tokens == target_tokens[:, :width]) & in_prefix
+    accepted = ok.long().cumprod(-1).sum(-1)  # [R]
+    return _verdict(accepted, draft_tokens, target_tokens.gather(1, accepted[:, None])[:, 0])
+
+
 def _verdict(accepted: torch.Tensor, draft_tokens: torch.Tensor, last: torch.Tensor) -> Verdict:
     # one host copy for the whole batch: every read waits for the device
     host = torch.cat([accepted[:, None], last[:, None], draft_tokens], 1).tolist()

@@ -74,19 +74,11 @@ class AttentionMetadata:
             starts.append(len(positions))
             positions.extend(range(c - q, c))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(c - q, c))
-        buckets: dict[int, list[int]] = {}
-        for r, q in enumerate(query_lens):
-            buckets.setdefault(query_bucket(q), []).append(r)
-        members = [buckets[b] for b in sorted(buckets)]
+        members = _buckets(query_lens)
         groups = tuple(_group([query_lens[r] for r in m], [context_lens[r] for r in m], [block_tables[r] for r in m],
                               [starts[r] for r in m], block_size, device, causal) for m in members)
         flat = [starts[r] + i for m in members for r in m for i in range(query_lens[r])]
-        order = None
-        if flat != list(range(len(flat))):
-            inverse = [0] * len(flat)
-            for row, token in enumerate(flat):
-                inverse[token] = row
-            order = upload(inverse, device, torch.long)
+        order = None if flat == list(range(len(flat))) else upload(_inverse(flat), device, torch.long)
         return AttentionMetadata(upload(positions, device, torch.long), upload(slots, device, torch.long),
                                  groups, order, block_size)
 
@@ -99,6 +91,22 @@ def query_bucket(num_queries: int) -> int:
     """Requests in one bucket share a padded grid: every query length up to SHORT_QUERY, then
     (16, 32], (32, 64], ...: padding at most doubles a bucket's queries."""
     return 0 if num_queries <= SHORT_QUERY else (num_queries - 1).bit_length()
+
+
+def _buckets(query_lens: Sequence[int]) -> list[list[int]]:
+    """Request indices grouped by `query_bucket`, shortest queries first."""
+    buckets: dict[int, list[int]] = {}
+    for r, q in enumerate(query_lens):
+        buckets.setdefault(query_bucket(q), []).append(r)
+    return [buckets[b] for b in sorted(buckets)]
+
+
+def _inverse(permutation: Sequence[int]) -> list[int]:
+    """inverse[permutation[i]] = i."""
+    inverse = [0] * len(permutation)
+    for row, token in enumerate(permutation):
+        inverse[token] = row
+    return inverse
 
 
 def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],

@@ -4,11 +4,12 @@
     dspark bench peers --max-tokens 128 --num-prompts 4 --repeats 2
     dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
 
-Five systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+Six systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
-when no drafter is shipped for the model, `ngram` stands in and the report says so). Runs
+when no drafter is shipped for the model, `ngram` stands in and the report says so), and this
+engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers'). Runs
 alternate prompt by prompt, the order rotating, so drift hits every system alike; results
 are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
 system's greedy tokens match transformers' (a sanity check: in bf16 two implementations can
@@ -115,6 +116,9 @@ def run(s: PeersSettings, out: str | Path) -> dict:
                                                                        profile=s.profile), s.max_tokens),
         spec_label: engine_system(spec, s.max_tokens),
     }
+    if drafter != "ngram":  # this engine's own prompt lookup, beside transformers'
+        systems["dspark ngram:dspark"] = engine_system(build_engine(path, "ngram", "dspark", cfg, profile=s.profile),
+                                                       s.max_tokens)
     names = list(systems)
     for fn in systems.values():  # warm-up
         fn(jobs[0].ids[-32:])

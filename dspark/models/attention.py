@@ -48,7 +48,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [N] cache slot each new token's K/V is written to
     groups: tuple[AttentionGroup, ...]
     order: torch.Tensor | None  # [N] row of flat token i in the groups' concatenated output (None: in order)
-    block_size: int = 16
+    block_size: int  # the cache's, to view its slots as blocks
 
     @staticmethod
     def build(

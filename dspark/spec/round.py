@@ -285,14 +285,14 @@ class SpecRunner:
 
     def _verdict(self, reqs: Sequence[Request], block: DraftBlock, logits: torch.Tensor, lengths: list[int]):
         """Rejection sampling of every request's verified prefix against its 1 + l_r target logits rows."""
-        rows = sampling_rows(reqs, [1 + ell for ell in lengths], self.device)
         where = [(i, k) for i, ell in enumerate(lengths) for k in range(1 + ell)]  # logits row -> (request, k)
         index = upload(where, self.device)
         shape = (len(reqs), self.gamma + 1)
-        if rows.all_greedy:  # the target's argmax per position, no [R, G+1, V] distributions
+        if all(r.params.greedy for r in reqs):  # the target's argmax per position, no [R, G+1, V] distributions
             picks = torch.zeros(shape, dtype=torch.long, device=self.device)
             picks[index[:, 0], index[:, 1]] = logits.argmax(-1)
             return verify_greedy(block.tokens, picks, upload(lengths, self.device))
+        rows = sampling_rows(reqs, [1 + ell for ell in lengths], self.device)
         padded = torch.zeros(*shape, logits.shape[-1], device=self.device)
         padded[index[:, 0], index[:, 1]] = probabilities(logits, rows)  # one scatter, not one copy per request
         return verify(block.tokens, block.probs, padded, upload(lengths, self.device), [r.generator for r in reqs])

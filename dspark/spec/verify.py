@@ -43,9 +43,7 @@ def verify(
     p_x = target_probs[:, :width].gather(-1, draft_tokens[..., None])[..., 0]  # [R, G]
     q_x = draft_probs.gather(-1, draft_tokens[..., None])[..., 0].clamp_min(1e-30)
     u = uniforms(rows, width + 1, generators, dev)  # last column samples the final token
-    in_prefix = torch.arange(width, device=dev)[None, :] < lengths[:, None]
-    ok = (u[:, :width] * q_x < p_x) & in_prefix  # u < p/q without dividing
-    accepted = ok.long().cumprod(-1).sum(-1)  # [R]
+    accepted = accepted_prefix(u[:, :width] * q_x < p_x, lengths)  # u < p/q without dividing
     final = target_probs[torch.arange(rows, device=dev), accepted]  # [R, V]
     # the residual is computed for every row (rows that were not rejected keep `final`): asking
     # the device whether any row was rejected would wait for it
@@ -68,11 +66,15 @@ def verify_greedy(
     """`verify` when every request is greedy, without building one-hot distributions: accept
     while x_k is the target's argmax, then emit the argmax where the prefix stopped (the same
     tokens `verify` gives one-hot p and q, whatever its uniforms)."""
-    width = draft_tokens.shape[1]
-    in_prefix = torch.arange(width, device=draft_tokens.device)[None, :] < lengths[:, None]
-    ok = (draft_tokens == target_tokens[:, :width]) & in_prefix
-    accepted = ok.long().cumprod(-1).sum(-1)  # [R]
+    accepted = accepted_prefix(draft_tokens == target_tokens[:, : draft_tokens.shape[1]], lengths)
     return _verdict(accepted, draft_tokens, target_tokens.gather(1, accepted[:, None])[:, 0])
+
+
+def accepted_prefix(ok: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """ok [R, G] bool (position k would be accepted) -> [R] accepted tokens: the run of ok
+    positions from the start, within each request's verified l_r."""
+    in_prefix = torch.arange(ok.shape[1], device=ok.device)[None, :] < lengths[:, None]
+    return (ok & in_prefix).long().cumprod(-1).sum(-1)
 
 
 def _verdict(accepted: torch.Tensor, draft_tokens: torch.Tensor, last: torch.Tensor) -> Verdict:

@@ -4,7 +4,10 @@ Domains (each with a held-out split drawn with a fixed seed):
 - math: GSM8K train, as chat (user question -> assistant step-by-step answer, `#### n` kept);
 - code: the running interpreter's standard library, as raw files and as chat tasks
   ("Complete the following Python function" with signature + docstring -> whole function);
-- chat: the Python documentation (reST stripped to prose), as "Explain <title>." -> text.
+- chat: the Python documentation (reST stripped to prose), as "Explain <title>." -> text;
+- agent: agent-style tasks with checkable answers built from the three sources above plus
+  synthetic logs, JSON documents and tool specs (`dspark.agent`), as single chat turns and
+  as multi-turn episodes (raw ChatML text with tool observations).
 
 Records are JSONL, one of `{"domain", "prompt", "response"}` (chat form) or
 `{"domain", "text"}` (raw text). `render` turns a record into training text.
@@ -27,7 +30,7 @@ from pathlib import Path
 
 DEFAULT_GSM8K = "../shared/data/gsm8k/train.jsonl"
 DEFAULT_DOCS = "../shared/data/corpus/python-3.11-docs-rst.tar.gz"
-DOMAINS = ("math", "code", "chat")
+DOMAINS = ("math", "code", "chat", "agent")
 END_OF_TEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
 SPECIAL_TOKENS = [END_OF_TEXT, IM_START, IM_END, MASK]
 _SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "__pycache__", "turtledemo", "lib2to3"}
@@ -43,6 +46,8 @@ class CorpusConfig:
     max_response_chars: int = 2400  # chat answers are clipped at a paragraph boundary
     max_function_lines: int = 60  # code tasks: longer functions are left out
     raw_code: bool = True  # also the raw source files (False: only the chat-form function tasks)
+    agent_tasks: int = 12000  # single-turn agent tasks (every kind in rotation)
+    agent_episodes: int = 2500  # multi-turn agent episodes
 
 
 def chat_text(prompt: str, response: str | None = None) -> str:
@@ -173,12 +178,38 @@ def chat_records(cfg: CorpusConfig) -> Iterator[dict]:
                        "prompt": f"Explain {title}.", "response": _clip(prose, cfg.max_response_chars)}
 
 
+def agent_sources(cfg: CorpusConfig):
+    """Functions of the standard library, GSM8K solutions and documentation sections for agent tasks."""
+    from dspark.agent.generate import Sources
+    from dspark.agent.tasks import functions
+
+    funcs = []
+    for path in stdlib_files(cfg.stdlib):
+        try:
+            funcs += list(functions(path.read_text(encoding="utf-8")))
+        except (UnicodeDecodeError, OSError):
+            continue
+    math = [(r["prompt"], r["response"]) for r in math_records(cfg)]
+    docs = [(r["prompt"].removeprefix("Explain ").rstrip("."), r["response"]) for r in chat_records(cfg)]
+    return Sources(funcs, math, docs)
+
+
+def agent_records(cfg: CorpusConfig) -> Iterator[dict]:
+    from dspark.agent.generate import episodes, generate, render_episode
+
+    sources = agent_sources(cfg)
+    for t in generate(sources, cfg.agent_tasks, cfg.seed):
+        yield {"domain": "agent", "key": t.key, "kind": t.kind, "prompt": t.prompt, "response": t.answer}
+    for ep in episodes(sources, cfg.agent_episodes, cfg.seed + 1):
+        yield {"domain": "agent", "key": ep.key, "text": render_episode(ep).removesuffix("\n")}
+
+
 def build(cfg: CorpusConfig, out: str) -> dict[str, dict[str, int]]:
     """Write `{out}/{domain}.{train,heldout}.jsonl`; returns record counts per split."""
     out_dir = Path(out).expanduser()
     out_dir.mkdir(parents=True, exist_ok=True)
     counts: dict[str, dict[str, int]] = {}
-    sources = {"math": math_records, "code": code_records, "chat": chat_records}
+    sources = {"math": math_records, "code": code_records, "chat": chat_records, "agent": agent_records}
     for domain in DOMAINS:
         counts[domain] = {"train": 0, "heldout": 0}
         with open(out_dir / f"{domain}.train.jsonl", "w") as tr, open(out_dir / f"{domain}.heldout.jsonl", "w") as ho:

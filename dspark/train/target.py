@@ -29,7 +29,6 @@ from dspark.config import ModelConfig
 from dspark.models.loader import save_model
 from dspark.models.qwen3 import CausalLM
 from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
-from dspark.train.corpus import DOMAINS
 from dspark.train.tokens import WindowSampler, heldout_windows, load_streams
 
 
@@ -121,7 +120,7 @@ def lm_ul_loss(net: CausalLM, batch: torch.Tensor, weight: float, window: int) -
 @torch.no_grad()
 def heldout_loss(net: CausalLM, streams, cfg: TargetTrainConfig) -> dict[str, float]:
     net.eval()
-    out = {d: float(lm_loss(net, heldout_windows(streams[d], cfg.seq_len, cfg.eval_windows))) for d in DOMAINS}
+    out = {d: float(lm_loss(net, heldout_windows(s, cfg.seq_len, cfg.eval_windows))) for d, s in streams.items()}
     net.train()
     return out
 
@@ -152,7 +151,7 @@ def train(cfg: TargetTrainConfig) -> CausalLM:
     state = load_checkpoint(cfg.run_dir)
     step = 0
     if state is None and cfg.init_from:
-        net.load_state_dict(initial_weights(cfg.init_from))
+        net.load_state_dict(deepen(initial_weights(cfg.init_from), net))
     if state is not None:
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -207,6 +206,30 @@ def initial_weights(source: str) -> dict[str, torch.Tensor]:
     from dspark.models.loader import load_target
 
     return load_target(path, "cpu", "float32").state_dict()
+
+
+def deepen(source: dict[str, torch.Tensor], net: CausalLM) -> dict[str, torch.Tensor]:
+    """Function-preserving depth up-scaling: a state dict for `net` (L layers) that computes what
+    `source` (l <= L layers, L a multiple of l) computes. Source layer i becomes layer i*L/l; each
+    layer inserted after it starts as a copy of it with its output projections (attention o_proj,
+    MLP down_proj) at zero, so it adds nothing to the residual stream until training moves it.
+    Returns `source` unchanged when the depths already match."""
+    old = 1 + max((int(k.split(".")[2]) for k in source if k.startswith("model.layers.")), default=-1)
+    new = net.config.num_hidden_layers
+    if old == new:
+        return source
+    if old == 0 or new % old:
+        raise ValueError(f"can deepen a {old}-layer model to a multiple of {old} layers, not {new}")
+    out = {k: v for k, v in source.items() if not k.startswith("model.layers.")}
+    factor = new // old
+    for k, v in source.items():
+        if not k.startswith("model.layers."):
+            continue
+        i, rest = int(k.split(".")[2]), k.split(".", 3)[3]
+        for j in range(factor):
+            zero = j > 0 and rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+            out[f"model.layers.{i * factor + j}.{rest}"] = torch.zeros_like(v) if zero else v.clone()
+    return out
 
 
 def export(net: CausalLM, tok, cfg: TargetTrainConfig) -> None:

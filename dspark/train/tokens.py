@@ -35,7 +35,7 @@ def encode_corpus(corpus_dir: str | Path, tokenizer: Tokenizer, out_dir: str | P
 
 def load_streams(tokens_dir: str | Path, split: str) -> dict[str, np.ndarray]:
     base = Path(tokens_dir).expanduser()
-    return {d: np.load(base / f"{d}.{split}.npy", mmap_mode="r") for d in DOMAINS}
+    return {d: np.load(base / f"{d}.{split}.npy", mmap_mode="r") for d in DOMAINS if (base / f"{d}.{split}.npy").is_file()}
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class WindowSampler:
 
     seq_len: int
     batch_size: int
-    weights: tuple[float, ...]  # per domain, in DOMAINS order
+    weights: tuple[float, ...]  # per domain, in DOMAINS order (fewer weights: the first domains only)
     seed: int = 0
 
     def batch(self, streams: dict[str, np.ndarray], step: int) -> torch.Tensor:
@@ -52,7 +52,7 @@ class WindowSampler:
         probs = np.asarray(self.weights) / sum(self.weights)
         rows = []
         for _ in range(self.batch_size):
-            domain = DOMAINS[rng.choice(len(DOMAINS), p=probs)]
+            domain = DOMAINS[rng.choice(len(probs), p=probs)]
             stream = streams[domain]
             start = int(rng.integers(0, stream.size - self.seq_len - 1))
             rows.append(np.asarray(stream[start : start + self.seq_len + 1], dtype=np.int64))

@@ -14,8 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dspark.agent.tasks import (
-    KINDS, Task, add_arg_task, json_edit_task, log_errors_task, off_by_one_task, plan_from_docs, plan_from_math,
-    rename_task, tool_call_task,
+    KINDS,
+    Task,
+    add_arg_task,
+    json_edit_task,
+    log_errors_task,
+    off_by_one_task,
+    plan_from_docs,
+    plan_from_math,
+    rename_task,
+    tool_call_task,
 )
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

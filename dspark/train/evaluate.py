@@ -7,6 +7,9 @@ For one model directory it measures
   in one batch by the engine: how often it stops with EOS, how long it runs, and how often
   it falls into a repetition loop (`is_repetition_loop`); for math, how often the answer
   marker `####` appears;
+- agent tasks: the share of held-out agent prompts whose greedy answer solves the task
+  (`dspark.agent.tasks.check`: exact match for code edits, equal JSON for JSON kinds) and
+  the share that is valid JSON where the answer is JSON, per task kind;
 - samples: greedy and temperature-1 (fixed seed) outputs for one prompt per domain.
 
 `evaluate` returns everything as a dict (written as JSON), `render_markdown` turns it into
@@ -87,18 +90,31 @@ def stream_loss(net, stream: np.ndarray, seq_len: int, windows: int, batch: int)
 
 def heldout_losses(net, tokens_dir: str | Path, s: EvalSettings) -> dict[str, dict[str, float | int]]:
     streams = load_streams(tokens_dir, "heldout")
-    return {d: stream_loss(net, streams[d], s.loss_seq_len, s.loss_windows, s.loss_batch) for d in DOMAINS}
+    return {d: stream_loss(net, stream, s.loss_seq_len, s.loss_windows, s.loss_batch) for d, stream in streams.items()}
 
 
 # ---- generations ----------------------------------------------------------------------
-def heldout_prompts(corpus_dir: str | Path, domain: str, engine, s: EvalSettings) -> list[str]:
-    """`num_prompts` evenly spaced chat-form held-out prompts whose answers fit the context."""
-    records = read_records(Path(corpus_dir).expanduser() / f"{domain}.heldout.jsonl")
+def heldout_records(corpus_dir: str | Path, domain: str, engine, s: EvalSettings) -> list[dict]:
+    """`num_prompts` evenly spaced chat-form held-out records whose answers fit the context."""
+    path = Path(corpus_dir).expanduser() / f"{domain}.heldout.jsonl"
+    if not path.is_file():
+        return []
     budget = engine.max_model_len - s.max_tokens
-    prompts = [r["prompt"] for r in records
+    records = [r for r in read_records(path)
                if "prompt" in r and len(engine.tokenizer.encode(chat_text(r["prompt"]))) <= budget]
-    n = min(s.num_prompts, len(prompts))
-    return [prompts[i * len(prompts) // n] for i in range(n)]
+    n = min(s.num_prompts, len(records))
+    return [records[i * len(records) // n] for i in range(n)]
+
+
+def agent_rates(records: list[dict], outs: list) -> dict[str, dict[str, float | int]]:
+    """Per task kind: how many prompts, the share solved and the share of valid JSON answers."""
+    from dspark.agent.tasks import check, valid_json
+
+    kinds: dict[str, list[tuple[bool, bool]]] = {}
+    for r, o in zip(records, outs, strict=True):
+        kinds.setdefault(r["kind"], []).append((check(r["kind"], r["response"], o.text), valid_json(o.text)))
+    return {k: {"prompts": len(v), "solved": sum(a for a, _ in v) / len(v), "valid_json": sum(b for _, b in v) / len(v)}
+            for k, v in sorted(kinds.items())}
 
 
 def generate(engine, prompts: list[str], params: list) -> list:
@@ -140,11 +156,14 @@ def evaluate(model: str | Path, corpus_dir: str | Path, tokens_dir: str | Path,
                               "heldout_loss": heldout_losses(net, tokens_dir, s), "generation": {}, "samples": []}
     firsts = []
     for domain in DOMAINS:
-        prompts = heldout_prompts(corpus_dir, domain, engine, s)
-        if not prompts:
+        records = heldout_records(corpus_dir, domain, engine, s)
+        if not records:
             continue
+        prompts = [r["prompt"] for r in records]
         outs = generate(engine, prompts, [greedy] * len(prompts))
         result["generation"][domain] = generation_stats(outs, domain, s)
+        if domain == "agent":
+            result["agent_tasks"] = agent_rates(records, outs)
         firsts.append((domain, prompts[0], outs[0]))
     # one seed per domain (seed, seed+1, ...): the same seed would replay one random stream
     sampled = [SamplingParams(temperature=1.0, max_tokens=s.max_tokens, seed=s.seed + i) for i in range(len(firsts))]
@@ -187,6 +206,13 @@ def render_markdown(result: dict[str, Any]) -> str:
              g["answer_marker_rate"] if "answer_marker_rate" in g else "–"] for d, g in gen.items()]
     out.append(table(["domain", "prompts", "loop rate", "stop (EOS) rate", "mean new tokens",
                       f"contains `{ANSWER_MARKER}`"], rows))
+    if "agent_tasks" in result:
+        out.append("### Agent tasks\n")
+        out.append("Greedy answers to the held-out agent prompts above, by task kind: solved (`dspark.agent.tasks.check`: "
+                   "exact match for code edits, equal JSON for logs, JSON edits and tool calls, at least five words "
+                   "for plans) and valid JSON.\n")
+        out.append(table(["kind", "prompts", "solved", "valid JSON"],
+                         [[k, v["prompts"], v["solved"], v["valid_json"]] for k, v in result["agent_tasks"].items()]))
     out.append("### Samples\n")
     out.append(f"One held-out prompt per domain; greedy, and temperature 1 (seeds from {s['seed']}, one per "
                f"domain); at most {s['max_tokens']} new tokens.\n")

@@ -45,9 +45,10 @@ def test_online_quick(tmp_path, workload):
 
 
 def test_peers_quick(tmp_path):
-    res = bench("peers", out=tmp_path)
+    res = bench("peers", "--assistant", "dspark-tiny", out=tmp_path)  # the target as its own assistant: same tokens
     systems = {r["system"] for r in res["rows"]}
     assert "transformers generate" in systems and len(systems) >= 4
+    assert "transformers assisted (dspark-tiny)" in systems
     assert "dspark ngram:dspark" in systems  # the engine's prompt lookup beside transformers'
     assert all(r["tokens"] > 0 for r in res["rows"])
     greedy = [r for r in res["rows"] if r.get("greedy_match_fraction") is not None and "lookup" not in r["system"]]

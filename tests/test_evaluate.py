@@ -126,6 +126,8 @@ def tiny_corpus(root):
             "response": f"```python\ndef f{i}(x):\n    return x * {i}\n```"} for i in range(3)],
         "chat": [{"domain": "chat", "prompt": f"Explain topic {i}.",
                   "response": "The quick brown fox jumps over the lazy dog. " * (i + 1)} for i in range(3)],
+        "agent": [{"domain": "agent", "kind": "tool_call", "prompt": f"Call get_weather for city {i}.",
+                   "response": json.dumps({"name": "get_weather", "arguments": {"city": str(i)}})} for i in range(3)],
     }
     corpus = root / "corpus"
     corpus.mkdir()
@@ -133,6 +135,15 @@ def tiny_corpus(root):
         for split in ("train", "heldout"):
             (corpus / f"{domain}.{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     return corpus
+
+
+def test_corpus_without_agent_domain_still_encodes(qwen3_dir, tmp_path):
+    """A corpus built before the agent domain existed tokenises its three domains."""
+    corpus = tiny_corpus(tmp_path)
+    for split in ("train", "heldout"):
+        (corpus / f"agent.{split}.jsonl").unlink()
+    counts = encode_corpus(corpus, TextTokenizer.from_dir(qwen3_dir).tok, tmp_path / "tokens")
+    assert set(counts) == {"math", "code", "chat"}
 
 
 def test_eval_target_end_to_end(qwen3_dir, tmp_path, capsys):
@@ -145,7 +156,7 @@ def test_eval_target_end_to_end(qwen3_dir, tmp_path, capsys):
                  "--tokens", str(tmp_path / "tokens"), "--num-prompts", "2", "--max-tokens", "16",
                  "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["heldout_loss"]) == {"math", "code", "chat"}
+    assert set(result["heldout_loss"]) == {"math", "code", "chat", "agent"}
     for v in result["heldout_loss"].values():
         assert math.isfinite(v["loss"]) and v["loss"] > 0
     for domain, g in result["generation"].items():
@@ -153,9 +164,11 @@ def test_eval_target_end_to_end(qwen3_dir, tmp_path, capsys):
         assert g["loop_rate"] == 0.0  # 16 tokens never fill a 96-token window
         assert 0.0 <= g["stop_rate"] <= 1.0 and 1 <= g["mean_tokens"] <= 16
         assert ("answer_marker_rate" in g) == (domain == "math")
-    assert [s["domain"] for s in result["samples"]] == ["math", "code", "chat"]
+    assert [s["domain"] for s in result["samples"]] == ["math", "code", "chat", "agent"]
+    tool = result["agent_tasks"]["tool_call"]
+    assert tool["prompts"] == 2 and 0.0 <= tool["solved"] <= tool["valid_json"] <= 1.0
     assert result["samples"][0]["prompt"].startswith("Tom has 0 apples")
     printed = capsys.readouterr().out
     assert printed.strip() == render_markdown(result).strip()
-    for heading in ("### Held-out loss", "### Greedy generations", "### Samples", "#### code"):
+    for heading in ("### Held-out loss", "### Greedy generations", "### Agent tasks", "### Samples", "#### code"):
         assert heading in printed

@@ -92,6 +92,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     q.add_argument("--max-tokens", type=int, default=None, help="default 128")
     q.add_argument("--repeats", type=int, default=None, help="alternating passes (default 1)")
     q.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
+    q.add_argument("--assistant", default=None,
+                   help="also transformers assisted generation with this smaller model (same tokenizer)")
     q.set_defaults(func=run_peers)
 
     t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
@@ -153,7 +155,7 @@ def run_peers(args: argparse.Namespace) -> int:
 
     fields = dict(peers.QUICK) if args.quick else {}
     fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
-                         repeats="repeats", profile="profile"))
+                         repeats="repeats", profile="profile", assistant="assistant"))
     peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
     return 0
 

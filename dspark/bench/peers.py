@@ -3,13 +3,16 @@
 
     dspark bench peers --max-tokens 128 --num-prompts 4 --repeats 2
     dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
+    dspark bench peers --model dspark-small --assistant dspark-tiny
 
-Six systems, greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+Six systems (seven with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
 when no drafter is shipped for the model, `ngram` stands in and the report says so), and this
-engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers'). Runs
+engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers'), and
+with `--assistant MODEL` transformers' assisted generation with that smaller model of the same
+tokenizer as its draft model (what a CPU user would try first). Runs
 alternate prompt by prompt, the order rotating, so drift hits every system alike; results
 are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
 system's greedy tokens match transformers' (a sanity check: in bf16 two implementations can
@@ -41,6 +44,7 @@ class PeersSettings:
     lookup_tokens: int = 7
     profile: str = "auto"
     device: str | None = None
+    assistant: str | None = None  # a smaller model with the same tokenizer: transformers assisted generation
 
 
 QUICK = dict(num_prompts=1, max_tokens=32, repeats=1)
@@ -84,6 +88,20 @@ def hf_system(hf, max_tokens: int, pad_id: int, **extra):
     return generate
 
 
+def assistant_model(name: str, tok, cfg):
+    """The assistant as a transformers model, refused unless it shares the target's tokenizer."""
+    import transformers
+
+    from dspark.models.loader import resolve_model_path
+    from dspark.models.tokenizer import TextTokenizer
+
+    path = resolve_model_path(name)
+    other = TextTokenizer.from_dir(path)
+    if other.vocab_size != tok.vocab_size or other.encode("def f(x): return x") != tok.encode("def f(x): return x"):
+        raise ValueError(f"--assistant {name}: its tokenizer differs from the target's (assisted generation needs one)")
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype).to(cfg.device).eval()
+
+
 def run(s: PeersSettings, out: str | Path) -> dict:
     import transformers
 
@@ -116,6 +134,9 @@ def run(s: PeersSettings, out: str | Path) -> dict:
                                                                        profile=s.profile), s.max_tokens),
         spec_label: engine_system(spec, s.max_tokens),
     }
+    if s.assistant:
+        systems[f"transformers assisted ({Path(str(s.assistant)).name})"] = hf_system(
+            hf, s.max_tokens, pad, assistant_model=assistant_model(s.assistant, tok, cfg))
     if drafter != "ngram":  # this engine's own prompt lookup, beside transformers'
         systems["dspark ngram:dspark"] = engine_system(build_engine(path, "ngram", "dspark", cfg, profile=s.profile),
                                                        s.max_tokens)

@@ -18,11 +18,12 @@ from dspark.train.corpus import DOMAINS, read_records, render
 
 
 def encode_corpus(corpus_dir: str | Path, tokenizer: Tokenizer, out_dir: str | Path) -> dict[str, dict[str, int]]:
-    """Write `{out}/{domain}.{split}.npy`; returns tokens per domain and split."""
+    """Write `{out}/{domain}.{split}.npy`; returns tokens per domain and split (domains without
+    files, e.g. `agent` in a corpus built before it existed, are left out)."""
     corpus_dir, out = Path(corpus_dir).expanduser(), Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, dict[str, int]] = {}
-    for domain in DOMAINS:
+    for domain in (d for d in DOMAINS if (corpus_dir / f"{d}.train.jsonl").is_file()):
         counts[domain] = {}
         for split in ("train", "heldout"):
             texts = [render(r) for r in read_records(corpus_dir / f"{domain}.{split}.jsonl")]

@@ -156,8 +156,7 @@ class ClosedLoop:
             if not req.is_finished:
                 continue
             client, job = self.live.pop(req.request_id)
-            out = engine.output(req)
-            engine.requests.pop(req.request_id, None)
+            out = engine.output(req)  # the engine retired it when it finished
             res.outputs.append({**out.stats, "dataset": job.dataset, "domain": job.domain, "client": client})
             if self.on_finish is not None:
                 self.on_finish()

@@ -8,6 +8,8 @@ disconnects and a raising engine step free their KV blocks; `dspark serve` wirin
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -48,6 +50,57 @@ def wait_idle(srv: ServerThread, timeout_s: float = 20.0) -> int:
         time.sleep(0.02)
     assert aengine.num_in_flight == 0, "requests still in flight"
     return aengine.call(lambda e: e.kv.pool.num_used_blocks).result(timeout=10)
+
+
+class HeldSteps:
+    """Holds the server's engine thread before each step until the test allows it, and records
+    every abort the app asks for: disconnect tests then decide what happens in which order,
+    instead of racing the engine with a client timeout (no verdict depends on machine speed).
+
+        with HeldSteps(srv) as held:   # the engine steps only when allowed
+            held.allow(1)              # one step
+            held.aborted.wait(30)      # the app asked to abort a request
+        # leaving releases the engine and restores its step
+    """
+
+    def __init__(self, srv: ServerThread) -> None:
+        self.aengine = state(srv).aengine
+        self.permits = threading.Semaphore(0)
+        self.free = threading.Event()
+        self.aborted = threading.Event()
+
+    def __enter__(self) -> HeldSteps:
+        def hold(engine) -> None:
+            real = engine.step
+
+            def step():
+                while not self.free.is_set() and not self.permits.acquire(timeout=0.05):
+                    pass
+                return real()
+
+            engine.step, self.real = step, real
+
+        self.aengine.call(hold).result(timeout=10)
+        real_abort = self.aengine.abort
+
+        def abort(request_id: str) -> None:
+            real_abort(request_id)
+            self.aborted.set()
+
+        self.aengine.abort = abort
+        return self
+
+    def allow(self, steps: int) -> None:
+        self.permits.release(steps)
+
+    def __exit__(self, *exc: object) -> None:
+        del self.aengine.abort  # the instance attribute: back to the method
+        self.free.set()
+
+        def restore(engine) -> None:
+            engine.step = self.real
+
+        self.aengine.call(restore).result(timeout=60)
 
 
 def metric(srv: ServerThread, name: str) -> float:
@@ -216,29 +269,45 @@ def test_openai_client_sees_errors(client):
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
     body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+    with HeldSteps(server) as held:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            held.allow(1)  # the prefill step: the first token, the first chunk
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert held.aborted.wait(30)  # the client left while the engine was held at step 2
     assert wait_idle(server) == 0
     assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
 
 
 def test_non_streamed_disconnect_aborts(server):
     aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
-    body = dict(prompt="The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    body = json.dumps(dict(prompt="The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True))
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+    with HeldSteps(server) as held:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(request)
+            until(lambda: held.aengine.num_in_flight == 1)  # submitted; the engine may not step
+        assert held.aborted.wait(30)  # the app saw the disconnect before any step ran
     assert wait_idle(server) == 0
     assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for a condition that must come (a generous bound: a safety net, not a verdict)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came"
+        time.sleep(0.01)
 
 
 def test_full_queue_gets_503_with_retry_after(qwen3_dir):
     srv = make_server(qwen3_dir, max_waiting=1, max_num_seqs=1)
     body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
     try:
-        with httpx.Client(base_url=srv.url) as c, c.stream("POST", "/v1/completions", json=body) as a, \
+        with HeldSteps(srv), httpx.Client(base_url=srv.url) as c, c.stream("POST", "/v1/completions", json=body) as a, \
                 c.stream("POST", "/v1/completions", json=body) as b:
-            assert a.status_code == b.status_code == 200  # one running, one waiting
+            assert a.status_code == b.status_code == 200  # one running, one waiting; held: neither ends
             r = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False))
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"

@@ -381,21 +381,37 @@ def test_speculative_server_is_lossless_and_reports_drafting(qwen3_dir, client):
         srv.stop()
 
 
+# `dspark serve` whose engine steps only once the file argv[1] exists: the SIGTERM test then
+# signals while its request is surely in flight, on any machine
+HELD_SERVE = """
+import sys, time
+from pathlib import Path
+import dspark.engine.engine as engine
+from dspark.cli import main
+real, release = engine.LLMEngine.step, Path(sys.argv[1])
+def step(self):
+    while not release.exists():
+        time.sleep(0.01)
+    return real(self)
+engine.LLMEngine.step = step
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir):
+def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir, tmp_path):
     import signal
-    import socket
     import subprocess
     import sys
-    import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dspark", "serve", "--model", str(qwen3_dir), "--device", "cpu",
-                             "--port", str(port), "--num-kv-blocks", "64", "--served-model-name", MODEL,
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url, release = f"http://127.0.0.1:{port}", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SERVE, str(release), "serve", "--model", str(qwen3_dir),
+                             "--device", "cpu", "--port", str(port), "--num-kv-blocks", "64",
+                             "--served-model-name", MODEL, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -405,33 +421,39 @@ def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        started, lines = threading.Event(), []
+        submitted, lines = threading.Event(), []
 
         def read() -> None:
             body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True,
                         logprobs=0)  # logprobs: one chunk per token, even while text is held back
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    started.set()
-                    if line:
-                        lines.append(line)
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                submitted.set()  # the status came: the request is queued, and the engine is held
+                lines.extend(line for line in r.iter_lines() if line)
 
         reader = threading.Thread(target=read)
         reader.start()
-        assert started.wait(30)
+        assert submitted.wait(30)
         proc.send_signal(signal.SIGTERM)
-        at_signal = len(lines)
-        time.sleep(0.3)
+        until(lambda: refused(url + "/health"))  # the signal was handled: draining
         try:  # new work is refused while draining: closed socket or 503
             assert httpx.post(url + "/v1/completions", json=dict(prompt="hi"), timeout=5).status_code == 503
         except httpx.TransportError:
             pass
-        reader.join(60)
+        assert not lines  # nothing generated before the signal
+        release.touch()
+        reader.join(120)
         data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "length"
-        assert len(lines) > at_signal + 10  # it kept streaming after the signal
+        assert len(data) == 200  # every token was generated and streamed after the signal
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def refused(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 503
+    except httpx.TransportError:
+        return True

@@ -153,7 +153,7 @@ def test_two_replicas_serve_concurrent_openai_requests(cluster):
     assert len(per_replica) == 2, per_replica  # Ray Serve spread the load over both replicas
     for kind in (completion, chat):  # greedy: the same text whichever replica answered, streamed or not
         assert len({text for (fn, _), (_, _, text) in zip(jobs, results, strict=True) if fn is kind}) == 1
-    deadline = time.monotonic() + 20  # replicas push their metrics every second
+    deadline = time.monotonic() + 120  # replicas push their metrics every second; a safety net, not a verdict
     while (seen := finished_by_replica(cluster)) != per_replica and time.monotonic() < deadline:
         time.sleep(0.5)
     assert seen == per_replica and sum(seen.values()) == len(jobs)

@@ -42,7 +42,7 @@ def state(srv: ServerThread):
     return srv.server.config.app.state
 
 
-def wait_idle(srv: ServerThread, timeout_s: float = 20.0) -> int:
+def wait_idle(srv: ServerThread, timeout_s: float = 120.0) -> int:
     """Wait until no request is in flight; -> KV blocks still used (read on the engine thread)."""
     aengine = state(srv).aengine
     deadline = time.monotonic() + timeout_s

@@ -113,16 +113,21 @@ def one_hot(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
 
 
+def shared(generators: Sequence[torch.Generator | None]) -> bool:
+    """True when every row draws from one generator (or all from the global RNG): one batched draw."""
+    return all(g is generators[0] for g in generators)
+
+
 def sample(probs: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of probs [M, V]; row i draws from generators[i] (a per-request seed) or
-    the global generator. The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is token i
+    """One token per row of probs [M, V]; row i draws from generators[i] (a per-request seed,
+    the engine's generator, or with None the global RNG). The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is token i
     with probability p_i; unlike `torch.multinomial` it never reads the device (on the CPU,
     multinomial checks its input with single-value reads). Greedy rows are one-hot: their argmax."""
     if rows.all_greedy:
         return probs.argmax(-1)
     noise = torch.empty_like(probs)
-    if all(g is None for g in generators):
-        noise.exponential_()
+    if shared(generators):
+        noise.exponential_(generator=generators[0] if generators else None)
     else:
         for i, gen in enumerate(generators):
             noise[i].exponential_(generator=gen)

@@ -304,33 +304,47 @@ def test_closed_loop_keeps_clients_busy_and_cleans_up(qwen3_dir):
         closed_loop(engine, jobs, 1, params)
 
 
-def test_virtual_clock_runs_only_while_started():
-    import time
+class SteppedTime:
+    """A time source the test advances by hand: clock verdicts that no machine speed can move."""
 
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_virtual_clock_runs_only_while_started():
     from dspark.bench.loop import VirtualClock
 
-    clock = VirtualClock()
-    time.sleep(0.02)
+    source = SteppedTime()
+    clock = VirtualClock(source)
+    source.now += 5.0
     assert clock() == 0.0
     clock.run()
-    time.sleep(0.02)
+    source.now += 2.0
+    assert clock() == 2.0
     clock.stop()
-    spent = clock()
-    time.sleep(0.02)
-    assert clock() == spent and 0.015 < spent < 0.5
+    source.now += 7.0
+    assert clock() == 2.0
+    clock.run()
+    source.now += 0.5
+    clock.stop()
+    assert clock() == 2.5 and clock.elapsed == 2.5
 
 
-NAP = 0.2  # the slow engine's extra seconds per step: far above a tiny model's step, even on a busy machine
+NAP = 1e6  # the slow engine's simulated extra seconds per step: beyond any real run's length
 
 
 def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
     """Two engines stepped in turn: each serves its load exactly as it would alone (same greedy
     tokens), and each loop's clock -- and every request timestamp the engine took from it --
-    counts only that engine's work: a loop whose engine sleeps NAP seconds a step does not slow the
-    other's clock, while a shared wall clock would charge it every one of those sleeps."""
+    counts only that engine's work: with a shared time source that jumps NAP seconds during each
+    of the slow engine's steps, the fast loop's clock holds none of those jumps (it is bounded by
+    the real length of the run), while a shared wall clock would charge it every one."""
     import time
 
-    from dspark.bench.loop import ClosedLoop, closed_loop, run_loops
+    from dspark.bench.loop import ClosedLoop, VirtualClock, closed_loop, run_loops
     from dspark.bench.workload import engine_config
     from dspark.engine.factory import build_engine
     from dspark.models.tokenizer import TextTokenizer
@@ -338,19 +352,24 @@ def test_lockstep_loops_each_time_only_their_own_steps(qwen3_dir):
 
     cfg = engine_config(qwen3_dir, 2, 64, "cpu")
     fast, slow = build_engine(qwen3_dir, None, "none", cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg)
-    real_step = slow.step
+    real_step, skipped = slow.step, [0.0]
 
     def sleepy_step():
-        time.sleep(NAP)
+        skipped[0] += NAP  # as if the step had slept NAP seconds
         return real_step()
 
     slow.step = sleepy_step
     jobs = hostile(TextTokenizer.from_dir(qwen3_dir), 3, 12)
     params = lambda i: SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)  # noqa: E731
     alone = closed_loop(fast, jobs, 2, params, per_client=2)
-    a, b = run_loops([ClosedLoop(fast, jobs, 2, params, per_client=2), ClosedLoop(slow, jobs, 2, params, per_client=2)])
+    loops = [ClosedLoop(fast, jobs, 2, params, per_client=2), ClosedLoop(slow, jobs, 2, params, per_client=2)]
+    for loop in loops:
+        loop.clock = VirtualClock(lambda: time.perf_counter() + skipped[0])
+    start = time.perf_counter()
+    a, b = run_loops(loops)
+    real = time.perf_counter() - start
     assert len(a.outputs) == len(b.outputs) == 4 and a.steps == alone.steps
-    assert b.wall_s >= NAP * b.steps and a.wall_s < NAP * b.steps / 2
+    assert b.wall_s >= NAP * b.steps and a.wall_s <= real
     assert all(o["latency_s"] <= a.wall_s + 1e-9 for o in a.outputs)
     assert fast.clock is time.perf_counter and slow.clock is time.perf_counter  # restored after the run
     with pytest.raises(ValueError, match="engine each"):

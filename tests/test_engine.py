@@ -120,3 +120,41 @@ def test_abort_frees_blocks(qwen3_dir):
     engine.step()
     engine.abort(req.request_id)
     assert engine.kv.pool.num_used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_engines_leave_the_global_rng_alone(qwen3_dir):
+    """Building an engine (plain or speculative) and sampling unseeded requests reads only the
+    engine's own generator: the caller's torch RNG state is untouched, and an engine's
+    unseeded samples follow from its config's seed alone."""
+    from dspark.engine.factory import build_engine
+
+    loaded = load_model(qwen3_dir)
+    sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    torch.manual_seed(1234)
+    before = torch.random.get_rng_state()
+    cfg = EngineConfig(device="cpu", seed=7)
+    engines = [LLMEngine(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    outs = [e.run_until_done([e.add_request(p, sampled) for p in PROMPTS]) for e in engines]
+    assert torch.equal(torch.random.get_rng_state(), before)
+    again = LLMEngine(*loaded, cfg)
+    torch.manual_seed(99)  # the caller's reseeding does not reach the engine's draws
+    assert [o.token_ids for o in generate(again, PROMPTS, sampled)] == [o.token_ids for o in outs[0]]
+
+
+def test_step_retires_every_finished_request(qwen3_dir):
+    """Driven by `step()` alone (no run_until_done, no server), 1,000 short requests leave
+    nothing behind: the request table is empty and every KV block is free."""
+    engine = make_engine(qwen3_dir, num_kv_blocks=64, max_num_seqs=32, max_num_batched_tokens=256)
+    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    reqs = [engine.add_request([5 + i % 7, 9, 11], short) for i in range(1000)]
+    aborted = [engine.add_request([5, 9], short) for _ in range(3)]
+    engine.step()
+    for r in aborted:
+        engine.abort(r.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 2 for r in reqs)
+    assert all(r.finish_reason == "abort" for r in aborted)
+    assert engine.requests == {} and engine.kv.pool.num_used_blocks == 0
+    assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks

@@ -3,7 +3,8 @@
 
     OMP_NUM_THREADS=1 python -m pytest tests/test_ray.py -m slow
 
-Checks: concurrent chat and completion requests (two streamed) all finish, both replicas
+Checks (the replicas run with --api-key and --metrics-auth): a call without the key gets 401
+on /v1 and /metrics; concurrent chat and completion requests (two streamed) all finish, both replicas
 served some (the `x-dspark-replica` header), greedy text is the same whichever replica
 answered, and the merged /metrics counts each replica's finished requests under its label.
 The fast tests cover argument handling and the metrics merge without starting Ray.
@@ -36,6 +37,8 @@ from dspark.server.metrics_merge import merge_metrics  # noqa: E402
 from dspark.server.ray_backend import REPLICA_HEADER, deploy, deployment_options  # noqa: E402
 
 MODEL = "tiny"
+KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPT = "def add(a, b):"
 CHAT = [{"role": "user", "content": "Explain list comprehensions."}]
 
@@ -93,7 +96,7 @@ def cluster(qwen3_dir):
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": threads})
     try:
-        deploy(serve_args(qwen3_dir, port, "--replicas", "2"))
+        deploy(serve_args(qwen3_dir, port, "--replicas", "2", "--api-key", KEY, "--metrics-auth"))
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
@@ -123,7 +126,7 @@ def chat(client, stream: bool) -> tuple[str, str, str]:
 
 
 def finished_by_replica(url: str) -> Counter:
-    text = httpx.get(url + "/metrics", timeout=30).text
+    text = httpx.get(url + "/metrics", headers=AUTH, timeout=30).text
     out: Counter = Counter()
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -134,9 +137,13 @@ def finished_by_replica(url: str) -> Counter:
 
 @pytest.mark.slow
 def test_two_replicas_serve_concurrent_openai_requests(cluster):
-    client = openai.OpenAI(base_url=cluster + "/v1", api_key="-", max_retries=0, timeout=60)
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key=KEY, max_retries=0, timeout=60)
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(cluster + "/health", timeout=30).json() == {"status": "ok"}
+    for path in ("/v1/models", "/metrics"):  # every replica was given the key, /metrics included
+        assert httpx.get(cluster + path, timeout=30).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=cluster + "/v1", api_key="wrong", max_retries=0).models.list()
     jobs = [(completion, False), (chat, False)] * 6 + [(completion, True), (chat, True)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(lambda job: job[0](client, job[1]), jobs))
@@ -146,7 +153,7 @@ def test_two_replicas_serve_concurrent_openai_requests(cluster):
     assert len(per_replica) == 2, per_replica  # Ray Serve spread the load over both replicas
     for kind in (completion, chat):  # greedy: the same text whichever replica answered, streamed or not
         assert len({text for (fn, _), (_, _, text) in zip(jobs, results, strict=True) if fn is kind}) == 1
-    deadline = time.monotonic() + 20  # replicas push their metrics every second
+    deadline = time.monotonic() + 120  # replicas push their metrics every second; a safety net, not a verdict
     while (seen := finished_by_replica(cluster)) != per_replica and time.monotonic() < deadline:
         time.sleep(0.5)
     assert seen == per_replica and sum(seen.values()) == len(jobs)

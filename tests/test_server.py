@@ -8,6 +8,8 @@ disconnects and a raising engine step free their KV blocks; `dspark serve` wirin
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +42,7 @@ def state(srv: ServerThread):
     return srv.server.config.app.state
 
 
-def wait_idle(srv: ServerThread, timeout_s: float = 20.0) -> int:
+def wait_idle(srv: ServerThread, timeout_s: float = 120.0) -> int:
     """Wait until no request is in flight; -> KV blocks still used (read on the engine thread)."""
     aengine = state(srv).aengine
     deadline = time.monotonic() + timeout_s
@@ -48,6 +50,57 @@ def wait_idle(srv: ServerThread, timeout_s: float = 20.0) -> int:
         time.sleep(0.02)
     assert aengine.num_in_flight == 0, "requests still in flight"
     return aengine.call(lambda e: e.kv.pool.num_used_blocks).result(timeout=10)
+
+
+class HeldSteps:
+    """Holds the server's engine thread before each step until the test allows it, and records
+    every abort the app asks for: disconnect tests then decide what happens in which order,
+    instead of racing the engine with a client timeout (no verdict depends on machine speed).
+
+        with HeldSteps(srv) as held:   # the engine steps only when allowed
+            held.allow(1)              # one step
+            held.aborted.wait(30)      # the app asked to abort a request
+        # leaving releases the engine and restores its step
+    """
+
+    def __init__(self, srv: ServerThread) -> None:
+        self.aengine = state(srv).aengine
+        self.permits = threading.Semaphore(0)
+        self.free = threading.Event()
+        self.aborted = threading.Event()
+
+    def __enter__(self) -> HeldSteps:
+        def hold(engine) -> None:
+            real = engine.step
+
+            def step():
+                while not self.free.is_set() and not self.permits.acquire(timeout=0.05):
+                    pass
+                return real()
+
+            engine.step, self.real = step, real
+
+        self.aengine.call(hold).result(timeout=10)
+        real_abort = self.aengine.abort
+
+        def abort(request_id: str) -> None:
+            real_abort(request_id)
+            self.aborted.set()
+
+        self.aengine.abort = abort
+        return self
+
+    def allow(self, steps: int) -> None:
+        self.permits.release(steps)
+
+    def __exit__(self, *exc: object) -> None:
+        del self.aengine.abort  # the instance attribute: back to the method
+        self.free.set()
+
+        def restore(engine) -> None:
+            engine.step = self.real
+
+        self.aengine.call(restore).result(timeout=60)
 
 
 def metric(srv: ServerThread, name: str) -> float:
@@ -216,29 +269,45 @@ def test_openai_client_sees_errors(client):
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
     body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
-    with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
+    with HeldSteps(server) as held:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body) as r:
+            held.allow(1)  # the prefill step: the first token, the first chunk
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert held.aborted.wait(30)  # the client left while the engine was held at step 2
     assert wait_idle(server) == 0
     assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
 
 
 def test_non_streamed_disconnect_aborts(server):
     aborted = metric(server, 'dspark_requests_finished_total{finish_reason="abort"}')
-    body = dict(prompt="The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True)
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=0.3)
+    body = json.dumps(dict(prompt="The quick brown fox", max_tokens=240, temperature=0, ignore_eos=True))
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n{body}").encode()
+    with HeldSteps(server) as held:
+        with socket.create_connection((server.host, server.port)) as sock:
+            sock.sendall(request)
+            until(lambda: held.aengine.num_in_flight == 1)  # submitted; the engine may not step
+        assert held.aborted.wait(30)  # the app saw the disconnect before any step ran
     assert wait_idle(server) == 0
     assert metric(server, 'dspark_requests_finished_total{finish_reason="abort"}') == aborted + 1
+
+
+def until(condition, timeout_s: float = 30.0) -> None:
+    """Wait for a condition that must come (a generous bound: a safety net, not a verdict)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never came"
+        time.sleep(0.01)
 
 
 def test_full_queue_gets_503_with_retry_after(qwen3_dir):
     srv = make_server(qwen3_dir, max_waiting=1, max_num_seqs=1)
     body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True)
     try:
-        with httpx.Client(base_url=srv.url) as c, c.stream("POST", "/v1/completions", json=body) as a, \
+        with HeldSteps(srv), httpx.Client(base_url=srv.url) as c, c.stream("POST", "/v1/completions", json=body) as a, \
                 c.stream("POST", "/v1/completions", json=body) as b:
-            assert a.status_code == b.status_code == 200  # one running, one waiting
+            assert a.status_code == b.status_code == 200  # one running, one waiting; held: neither ends
             r = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=False))
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["code"] == "queue_full"
@@ -312,21 +381,37 @@ def test_speculative_server_is_lossless_and_reports_drafting(qwen3_dir, client):
         srv.stop()
 
 
+# `dspark serve` whose engine steps only once the file argv[1] exists: the SIGTERM test then
+# signals while its request is surely in flight, on any machine
+HELD_SERVE = """
+import sys, time
+from pathlib import Path
+import dspark.engine.engine as engine
+from dspark.cli import main
+real, release = engine.LLMEngine.step, Path(sys.argv[1])
+def step(self):
+    while not release.exists():
+        time.sleep(0.01)
+    return real(self)
+engine.LLMEngine.step = step
+sys.exit(main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.slow
-def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir):
+def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir, tmp_path):
     import signal
-    import socket
     import subprocess
     import sys
-    import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "dspark", "serve", "--model", str(qwen3_dir), "--device", "cpu",
-                             "--port", str(port), "--num-kv-blocks", "64", "--served-model-name", MODEL,
-                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url, release = f"http://127.0.0.1:{port}", tmp_path / "release"
+    proc = subprocess.Popen([sys.executable, "-c", HELD_SERVE, str(release), "serve", "--model", str(qwen3_dir),
+                             "--device", "cpu", "--port", str(port), "--num-kv-blocks", "64",
+                             "--served-model-name", MODEL, "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 90
         while True:
@@ -336,33 +421,39 @@ def test_sigterm_drains_in_flight_requests_then_exits(qwen3_dir):
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
-        started, lines = threading.Event(), []
+        submitted, lines = threading.Event(), []
 
         def read() -> None:
             body = dict(prompt="The quick brown fox", max_tokens=200, temperature=0, ignore_eos=True, stream=True,
                         logprobs=0)  # logprobs: one chunk per token, even while text is held back
-            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    started.set()
-                    if line:
-                        lines.append(line)
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                submitted.set()  # the status came: the request is queued, and the engine is held
+                lines.extend(line for line in r.iter_lines() if line)
 
         reader = threading.Thread(target=read)
         reader.start()
-        assert started.wait(30)
+        assert submitted.wait(30)
         proc.send_signal(signal.SIGTERM)
-        at_signal = len(lines)
-        time.sleep(0.3)
+        until(lambda: refused(url + "/health"))  # the signal was handled: draining
         try:  # new work is refused while draining: closed socket or 503
             assert httpx.post(url + "/v1/completions", json=dict(prompt="hi"), timeout=5).status_code == 503
         except httpx.TransportError:
             pass
-        reader.join(60)
+        assert not lines  # nothing generated before the signal
+        release.touch()
+        reader.join(120)
         data = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert lines[-1] == "data: [DONE]" and data[-1]["choices"][0]["finish_reason"] == "length"
-        assert len(lines) > at_signal + 10  # it kept streaming after the signal
+        assert len(data) == 200  # every token was generated and streamed after the signal
         assert proc.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after draining
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def refused(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=5).status_code == 503
+    except httpx.TransportError:
+        return True

@@ -4,7 +4,8 @@
   afterwards, and each streamed text equals the non-streamed text of the same request
   (greedy, and temperature > 0 with a seed);
 - faults: clients that vanish mid-stream (or mid-wait) under load, with a KV pool small
-  enough to force preemption, leave no blocks behind;
+  enough to force preemption, leave no blocks behind (the engine is held at each leaver's
+  point until its client has left, so every leaver leaves mid-request at any speed);
 - fuzz: hypothesis bodies (random JSON, wrong types, huge numbers, missing fields) never
   get a 5xx, and the server is healthy afterwards.
 """
@@ -16,6 +17,7 @@ import collections
 import contextlib
 import json
 import random
+import time
 
 import httpx
 import pytest
@@ -24,7 +26,7 @@ pytest.importorskip("fastapi")
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from test_server import CHAT, MODEL, make_server, metric, wait_idle  # noqa: E402
+from test_server import CHAT, MODEL, make_server, metric, state, wait_idle  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "def add(a, b):\n", "Natalia sold clips to 48", "Explain list",
            "jumps over the lazy dog", "return a + b", "In April she sold", "They build lists"]
@@ -101,28 +103,81 @@ def test_64_streaming_clients_match_non_streamed_and_free_every_block(server):
     assert wait_idle(server) == 0
 
 
+class LeavePoints:
+    """Makes every leaving client leave mid-request, whatever the machine's speed.
+
+    Seeds name the leavers' requests (`seed` -> the output tokens after which the client
+    leaves). The engine thread holds before a step while all requests are not yet submitted,
+    and while some leaver's request has reached its point but the app has not yet asked to
+    abort it; a non-streamed leaver is told its point came (it cannot see tokens) and then
+    cancels its request. So no leaver's request can run to its end first.
+    """
+
+    def __init__(self, srv, points: dict[int, int], total: int) -> None:
+        self.aengine, self.points, self.total = state(srv).aengine, points, total
+        self.asked: set[str] = set()  # request ids the app asked to abort
+        self.reached: dict[int, asyncio.Event] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def install(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.reached = {seed: asyncio.Event() for seed in self.points}
+        real_abort = self.aengine.abort
+        self.aengine.abort = lambda rid: (self.asked.add(rid), real_abort(rid))[-1]
+
+        def hold(engine) -> None:
+            real = engine.step
+
+            def step():
+                deadline = time.monotonic() + 120  # a safety net: a hang fails the counts below
+                while time.monotonic() < deadline and self.due(engine):
+                    time.sleep(0.005)
+                return real()
+
+            engine.step = step
+
+        self.aengine.call(hold).result(timeout=10)
+
+    def due(self, engine) -> bool:
+        if self.aengine.num_in_flight < self.total and not self.asked:
+            return True  # every request queued before the first step: the pool must preempt
+        waiting = False
+        for req in list(engine.requests.values()):
+            point = self.points.get(req.params.seed)
+            if point is not None and len(req.output_ids) >= point and req.request_id not in self.asked:
+                self.loop.call_soon_threadsafe(self.reached[req.params.seed].set)
+                waiting = True
+        return waiting
+
+
 @pytest.mark.slow
 def test_disconnects_under_load_leak_no_blocks(qwen3_dir):
     srv = make_server(qwen3_dir, num_kv_blocks=24, block_size=8)  # 192 slots: forces preemption
     rng = random.Random(0)
-    plans = [(rng.random(), rng.randint(0, 4)) for _ in range(CLIENTS * 2)]
+    plans = [(rng.random(), rng.randint(1, 5)) for _ in range(CLIENTS * 2)]  # (how it leaves, after n tokens)
+    leavers = {i: after for i, (leave, after) in enumerate(plans) if leave < 0.75}
+    gate = LeavePoints(srv, leavers, len(plans))
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         leave, after = plans[i]
-        body = dict(prompt=PROMPTS[i % 8], max_tokens=16, temperature=0.7, seed=i, ignore_eos=True)
-        if leave < 0.25:  # non-streamed client that gives up (unless served in time)
-            with contextlib.suppress(httpx.ReadTimeout):
-                await client.post("/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.05 * (after + 1)))
+        body = dict(prompt=PROMPTS[i % 8], max_tokens=16, temperature=0.7, seed=i, ignore_eos=True, logprobs=0)
+        if leave < 0.25:  # non-streamed client that gives up once its request has `after` tokens
+            post = asyncio.ensure_future(client.post("/v1/completions", json=body))
+            await gate.reached[i].wait()
+            post.cancel()  # closes the connection under the server
+            with contextlib.suppress(asyncio.CancelledError):
+                await post
             return
         async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
             n = 0
-            async for line in r.aiter_lines():
+            async for line in r.aiter_lines():  # logprobs: one chunk per token
                 n += line.startswith("data: ")
-                if leave < 0.75 and n > after:
+                if i in leavers and n >= after:
                     return  # leaves mid-stream: the connection closes under the server
 
     async def run() -> None:
+        gate.install()
         async with async_client(srv) as client:
             await asyncio.gather(*(one(client, i) for i in range(len(plans))))
 
@@ -132,7 +187,8 @@ def test_disconnects_under_load_leak_no_blocks(qwen3_dir):
         aborted = metric(srv, 'dspark_requests_finished_total{finish_reason="abort"}')
         print(f"disconnects: {len(plans)} requests, {aborted:.0f} aborted, "
               f"{metric(srv, 'dspark_preemptions_total'):.0f} preemptions")
-        assert aborted > 0 and metric(srv, "dspark_preemptions_total") > 0
+        assert aborted == len(leavers) and metric(srv, "dspark_preemptions_total") > 0
+        assert metric(srv, 'dspark_requests_finished_total{finish_reason="length"}') == len(plans) - len(leavers)
         assert metric(srv, 'dspark_requests_finished_total{finish_reason="error"}') == 0
         assert httpx.get(srv.url + "/health").status_code == 200
         assert httpx.post(srv.url + "/v1/completions", json=dict(prompt="hi", max_tokens=3)).status_code == 200

@@ -24,6 +24,22 @@ torch.set_num_threads(1)
 from dspark.train.target import TargetTrainConfig, train
 train(TargetTrainConfig.from_file(sys.argv[1]))
 """
+# the run to be killed stops inside step 13 (its log row written, its checkpoint not) and says
+# so: the test kills it there, at the same point on any machine, instead of after a poll
+PAUSED_AT_13 = """
+import sys, threading, torch
+from pathlib import Path
+torch.set_num_threads(1)
+import dspark.train.target as target
+real_log = target.append_log
+def append_log(run_dir, row):
+    real_log(run_dir, row)
+    if row["step"] == 13:
+        Path(sys.argv[2]).touch()
+        threading.Event().wait()
+target.append_log = append_log
+target.train(target.TargetTrainConfig.from_file(sys.argv[1]))
+"""
 
 
 def tiny_run(tmp: Path, name: str) -> Path:
@@ -66,16 +82,17 @@ def test_target_training_resumes_exactly_after_kill(tmp_path):
     straight = tiny_run(tmp_path, "straight")
     subprocess.run([sys.executable, "-c", SCRIPT, str(straight)], check=True, env=env, capture_output=True)
     killed = tiny_run(tmp_path, "killed")
-    proc = subprocess.Popen([sys.executable, "-c", SCRIPT, str(killed)], env=env,
+    paused = tmp_path / "paused"
+    proc = subprocess.Popen([sys.executable, "-c", PAUSED_AT_13, str(killed), str(paused)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    log = tmp_path / "killed" / "log.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not log.is_file() or len(log.read_text().splitlines()) < 12):
+    deadline = time.monotonic() + 300  # a safety net for a broken run, not a verdict on speed
+    while not paused.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run never reached step 13"
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    step_at_kill = torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["step"]
-    assert 0 < step_at_kill < 40
+    assert torch.load(tmp_path / "killed" / "checkpoint.pt", weights_only=False)["step"] == 12
+    assert len((tmp_path / "killed" / "log.jsonl").read_text().splitlines()) == 13  # killed mid-step 13
     subprocess.run([sys.executable, "-c", SCRIPT, str(killed)], check=True, env=env, capture_output=True)
     a, b = final_weights(tmp_path / "straight"), final_weights(tmp_path / "killed")
     assert all(torch.equal(a[k], b[k]) for k in a)

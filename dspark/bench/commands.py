@@ -4,6 +4,7 @@
     dspark bench offline   tau per dataset, acceptance per position, threshold sweep (Table 1, Figs. 2, 5)
     dspark bench online    closed-loop serving frontier and verification budget (Figs. 7, 8)
     dspark bench peers     single stream vs transformers generate() (greedy, prompt lookup)
+    dspark bench soak      the server under mixed load and faults for --duration s: RSS, KV pool, errors
 """
 
 from __future__ import annotations
@@ -96,6 +97,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also transformers assisted generation with this smaller model (same tokenizer)")
     q.set_defaults(func=run_peers)
 
+    k = sub.add_parser("soak", help="dspark serve under mixed load and faults: RSS and KV pool over time, errors")
+    _common(k)
+    k.add_argument("--duration", type=float, default=None, help="seconds of load (default 1200, --quick: 60)")
+    k.add_argument("--clients", type=int, default=None, help="concurrent clients (default 12)")
+    k.add_argument("--max-tokens", type=int, default=None, help="largest max_tokens a request asks (default 48)")
+    k.add_argument("--num-kv-blocks", type=int, default=None, help="the server's KV pool (default 16: preempts)")
+    k.add_argument("--sample-every", type=float, default=None, help="seconds between samples (default 10)")
+    k.add_argument("--drafter", default=None)
+    k.add_argument("--policy", default=None)
+    k.add_argument("--seed", type=int, default=None)
+    k.set_defaults(func=run_soak)
+
     t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
     t.set_defaults(func=run_targets)
@@ -158,6 +171,22 @@ def run_peers(args: argparse.Namespace) -> int:
                          repeats="repeats", profile="profile", assistant="assistant"))
     peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
     return 0
+
+
+def run_soak(args: argparse.Namespace) -> int:
+    """Exit status 1 when the soak saw errors or left KV blocks in use."""
+    from dspark.bench import soak
+    from dspark.bench.report import DEFAULT_OUT
+
+    fields = dict(duration_s=60.0, sample_every_s=5.0) if args.quick else {}
+    fields.update(_given(args, model="model", device="device", duration_s="duration", clients="clients",
+                         max_tokens="max_tokens", num_kv_blocks="num_kv_blocks", sample_every_s="sample_every",
+                         drafter="drafter", policy="policy", seed="seed"))
+    out = args.out or ("/tmp/dspark-bench-quick/soak" if args.quick else f"{DEFAULT_OUT}/soak")
+    data = soak.run(soak.SoakSettings(**fields), out)
+    print(f"soak: {data['errors']} errors, KV blocks in use after the load: "
+          f"{data['server']['kv_blocks_used_after_load']}, RSS {data['rss_mib']} MiB; report in {out}")
+    return 1 if data["errors"] or data["server"]["kv_blocks_used_after_load"] else 0
 
 
 def run_targets(args: argparse.Namespace) -> int:

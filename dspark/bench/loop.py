@@ -65,17 +65,19 @@ def peak_rss_bytes() -> int:
 
 
 class VirtualClock:
-    """Seconds that pass only between `run()` and `stop()`; calling it reads the time."""
+    """Seconds of `source` (the wall clock) that pass only between `run()` and `stop()`;
+    calling it reads the time."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: Callable[[], float] = time.perf_counter) -> None:
+        self.source = source
         self.elapsed = 0.0
         self._since: float | None = None
 
     def __call__(self) -> float:
-        return self.elapsed + (0.0 if self._since is None else time.perf_counter() - self._since)
+        return self.elapsed + (0.0 if self._since is None else self.source() - self._since)
 
     def run(self) -> None:
-        self._since = time.perf_counter()
+        self._since = self.source()
 
     def stop(self) -> None:
         self.elapsed, self._since = self(), None
@@ -156,8 +158,7 @@ class ClosedLoop:
             if not req.is_finished:
                 continue
             client, job = self.live.pop(req.request_id)
-            out = engine.output(req)
-            engine.requests.pop(req.request_id, None)
+            out = engine.output(req)  # the engine retired it when it finished
             res.outputs.append({**out.stats, "dataset": job.dataset, "domain": job.domain, "client": client})
             if self.on_finish is not None:
                 self.on_finish()

@@ -54,7 +54,9 @@ class LLMEngine:
                  drafter: Drafter | None = None, policy: str = "none", profile: StepProfile | None = None,
                  gate: GateConfig | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
-        torch.manual_seed(cfg.seed)
+        # unseeded requests draw from this engine's generator: seeding torch's global RNG would
+        # reseed the caller's process (and every other engine in it)
+        self.generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
         if cfg.num_kv_blocks:
             self.kv = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, model.device, model.dtype)
         else:
@@ -109,25 +111,26 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len, self.model.device)
+        req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len, self.model.device,
+                      self.generator)
         req.stats.arrival_time = self.clock()
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
-            self.scheduler.finish(req, "abort")
-            self.runner.release(request_id)
-            req.stats.finish_time = self.clock()
+        """Finish a request early (reason `abort`); an unknown or finished id is a no-op."""
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, "abort", self.clock())
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that emitted tokens or finished."""
+        """One engine step; returns the requests that emitted tokens or finished (a finished one
+        has already left `requests`: read it through the returned object)."""
         plan = self.scheduler.schedule(self.runner.lookahead())
         for req in plan.preempted:
             self.runner.release(req.request_id)
@@ -185,10 +188,13 @@ class LLMEngine:
         return None
 
     def finish(self, req: Request, reason: str, now: float) -> None:
+        """Retire req: the one place a request leaves the engine (its blocks, drafter state and
+        table entry go); the caller keeps the Request object to read its output."""
         if not req.text_final:
             req.text = self.tokenizer.decode(req.output_ids)
         self.scheduler.finish(req, reason)
         self.runner.release(req.request_id)
+        self.requests.pop(req.request_id, None)
         req.stats.finish_time = now
 
     def output(self, req: Request) -> RequestOutput:
@@ -202,10 +208,7 @@ class LLMEngine:
     def run_until_done(self, requests: Sequence[Request]) -> list[RequestOutput]:
         while any(r.status is not Status.FINISHED for r in requests):
             self.step()
-        outs = [self.output(r) for r in requests]
-        for r in requests:
-            self.requests.pop(r.request_id, None)
-        return outs
+        return [self.output(r) for r in requests]
 
 
 def record_speculation(req: Request, result: StepResult) -> None:

@@ -82,7 +82,8 @@ class RequestStats:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_model_len: int, device: torch.device | str) -> None:
+                 eos_token_ids: tuple[int, ...], max_model_len: int, device: torch.device | str,
+                 generator: torch.Generator | None = None) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
@@ -98,7 +99,9 @@ class Request:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.max_model_len = max_model_len
         self.stats = RequestStats(prompt_tokens=len(prompt_ids))
-        self.generator: torch.Generator | None = None
+        # a seeded request draws from its own generator; any other from the one it is given
+        # (the engine's), never from torch's global RNG, which belongs to the caller
+        self.generator = generator
         if params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models,
-/health and /metrics, over one `AsyncEngine`.
+/health and /metrics, over one `AsyncEngine`; with an API key, `/v1/*` needs it (auth.py).
 
     app = create_app(engine, ServeSettings(model_name="dspark-tiny"))
     uvicorn.run(app)             # or `dspark serve`; the engine thread starts with the app
@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 
 from dspark.engine.engine import LLMEngine
 from dspark.server.async_engine import AsyncEngine, RequestStream
+from dspark.server.auth import ApiKeyGuard
 from dspark.server.metrics import CONTENT_TYPE, ServerMetrics
 from dspark.server.protocol import (
     ApiError,
@@ -46,6 +47,12 @@ class ServeSettings:
     retry_after_s: int = 1
     drafter: str | None = None  # what /v1/models reports; the engine holds the real ones
     policy: str = "none"
+    api_key: str | None = field(default=None, repr=False)  # None: anyone may call (auth.py)
+    metrics_auth: bool = False  # /metrics needs the key too
+
+    def __post_init__(self) -> None:
+        if self.metrics_auth and self.api_key is None:
+            raise ValueError("--metrics-auth needs an API key (--api-key or DSPARK_API_KEY)")
 
 
 def create_app(engine: LLMEngine, settings: ServeSettings | None = None) -> FastAPI:
@@ -61,6 +68,8 @@ def create_app(engine: LLMEngine, settings: ServeSettings | None = None) -> Fast
         await asyncio.to_thread(aengine.stop)
 
     app = FastAPI(title="dspark", lifespan=lifespan)
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyGuard, api_key=settings.api_key, metrics_auth=settings.metrics_auth)
     app.state.engine, app.state.aengine, app.state.metrics, app.state.settings = engine, aengine, metrics, settings
 
     @app.exception_handler(ApiError)

@@ -297,8 +297,7 @@ class AsyncEngine:
         if req.is_finished:
             out = self.engine.output(req)
             delta.finish_reason, delta.text, delta.stats = out.finish_reason or "stop", out.text, out.stats
-            del self._live[req.request_id]
-            self.engine.abort(req.request_id)  # drops the finished request from the engine's table
+            del self._live[req.request_id]  # the engine retired it when it finished
             self._end(live.stream, None, delta.finish_reason, delta)
         else:
             live.stream.put(delta)

@@ -28,6 +28,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--drain-timeout", type=float, default=60.0, help="seconds SIGTERM waits for in-flight requests")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'Authorization: Bearer KEY' on /v1/* (default: $DSPARK_API_KEY; none: open)")
+    p.add_argument("--metrics-auth", action="store_true", help="/metrics needs the API key too")
     add_ray_args(p)
     p.set_defaults(func=run)
 
@@ -55,6 +58,9 @@ def min_max(text: str) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from dspark.server.auth import resolve_api_key
+
+    args.api_key = resolve_api_key(args.api_key)  # here: Ray replicas get it with the other arguments
     if args.backend == "ray":
         from dspark.server.ray_backend import run as run_ray  # imports Ray: only on this path
 

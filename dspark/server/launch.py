@@ -52,12 +52,16 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 def build_app(args: argparse.Namespace) -> FastAPI:
     """The whole served app from `dspark serve` arguments (one per process or Ray replica)."""
     from dspark.server.app import ServeSettings, create_app
+    from dspark.server.auth import resolve_api_key
 
     if args.max_waiting < 0:
         raise ValueError("--max-waiting must be >= 0")
+    api_key = resolve_api_key(getattr(args, "api_key", None))
+    metrics_auth = getattr(args, "metrics_auth", False)
     engine = build_engine(args)
     settings = ServeSettings(model_name=model_name(args), max_waiting=args.max_waiting,
-                             drafter=drafter_name(engine), policy=engine.policy.name)
+                             drafter=drafter_name(engine), policy=engine.policy.name,
+                             api_key=api_key, metrics_auth=metrics_auth)
     return create_app(engine, settings)
 
 

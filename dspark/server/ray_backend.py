@@ -13,6 +13,8 @@ which aims at `--max-num-seqs` requests in flight per replica (a full running ba
 Every response carries an `x-dspark-replica` header. Metrics: each replica pushes its own
 Prometheus text to a `MetricsHub` deployment every second; `GET /metrics` (answered by any
 replica) returns all replicas' metrics merged, each sample labelled `replica="<id>"`.
+`--api-key` (or DSPARK_API_KEY, read where `dspark serve` runs) reaches every replica with
+the other arguments, so each replica's app checks it (auth.py), /metrics too with --metrics-auth.
 Only this module imports Ray; the `local` backend never loads it (commands.py imports it lazily).
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 from ray import serve
 from starlette.responses import Response
 
+from dspark.server.auth import refused, send_unauthorized
 from dspark.server.metrics import CONTENT_TYPE
 from dspark.server.metrics_merge import merge_metrics
 
@@ -80,7 +83,10 @@ class ReplicaAsgi:
             await replica.fastapi(scope, receive, send)
             return
         send = with_header(send, REPLICA_HEADER, replica.replica_id)
-        if scope["path"] == "/metrics" and scope["method"] == "GET":
+        settings = replica.fastapi.state.settings
+        if refused(scope, settings.api_key, settings.metrics_auth):  # the app's own guard never sees /metrics
+            await send_unauthorized(send)
+        elif scope["path"] == "/metrics" and scope["method"] == "GET":
             await Response(await replica.merged_metrics(), media_type=CONTENT_TYPE)(scope, receive, send)
         else:
             await replica.fastapi(scope, receive, send)

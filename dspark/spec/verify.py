@@ -7,7 +7,7 @@ at the first rejection emit a token from norm(max(p_k - q_k, 0)) (the recovered 
 if all l are accepted emit a token from p_{l+1} (the bonus token). Greedy decoding is the
 same rule with one-hot p and q: accept iff x_k is the target's argmax, and emit the argmax.
 Vectorised over the padded [R, gamma] layout; one uniform per position per request, drawn
-from the request's own generator when it has a seed.
+from the request's generator (its own when it has a seed, else its engine's).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from dspark.sampling import shared
 
 
 @dataclass
@@ -26,8 +28,8 @@ class Verdict:
 
 def uniforms(rows: int, width: int, generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
     """[rows, width] uniforms in [0, 1), row i from generators[i] (or the global RNG)."""
-    if all(g is None for g in generators):
-        return torch.rand(rows, width, device=device)
+    if shared(generators):
+        return torch.rand(rows, width, generator=generators[0] if generators else None, device=device)
     return torch.stack([torch.rand(width, generator=g, device=device) for g in generators])
 
 

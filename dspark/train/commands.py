@@ -4,6 +4,7 @@
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \
         --tokens ~/.cache/dspark/tokens
     dspark train target --config configs/target-tiny.toml
+    dspark train drafters --config A.toml --config B.toml   # several drafters, one target pass per batch
     dspark train eval-target --model ~/.cache/dspark/export/dspark-tiny-target --out eval.json
 """
 
@@ -48,6 +49,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     d.add_argument("--kind", required=True, choices=["dspark", "dflash", "eagle3", "mtp"])
     d.add_argument("--config", required=True)
     d.set_defaults(func=run_drafter)
+    j = sub.add_parser("drafters", help="train several drafters side by side on one target pass per batch (resumes)")
+    j.add_argument("--config", action="append", required=True, help="a drafter config (kind inside); repeat")
+    j.set_defaults(func=run_drafters)
     e = sub.add_parser("eval-target", help="held-out loss, loop rate and samples of a target (model card)")
     e.add_argument("--model", required=True)
     e.add_argument("--corpus", default="~/.cache/dspark/corpus")
@@ -104,6 +108,14 @@ def run_drafter(args: argparse.Namespace) -> int:
     from dspark.train.drafter import DrafterTrainConfig, train
 
     print(json.dumps(train(DrafterTrainConfig.from_file(args.config, kind=args.kind)), indent=2))
+    return 0
+
+
+def run_drafters(args: argparse.Namespace) -> int:
+    from dspark.train.drafter import DrafterTrainConfig
+    from dspark.train.joint import train_joint
+
+    print(json.dumps(train_joint([DrafterTrainConfig.from_file(c) for c in args.config]), indent=2))
     return 0
 
 

@@ -47,6 +47,7 @@ class DrafterTrainConfig:
     gamma: int = 0  # 0: the kind's default (7; MTP 1)
     num_layers: int = 0  # 0: the kind's default (2; EAGLE-3/MTP 1)
     head: str = ""  # dspark: markov | gated | rnn
+    taps: tuple[int, ...] = ()  # target layers the drafter reads (empty: the kind's default)
     rank: int = 64
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
@@ -89,18 +90,25 @@ def train_device(cfg: DrafterTrainConfig) -> torch.device:
     return torch.device(cfg.device)
 
 
-def build(cfg: DrafterTrainConfig):
+def load_frozen_target(cfg: DrafterTrainConfig):
     from dspark.models.loader import load_model
 
     target, tok = load_model(cfg.model, str(train_device(cfg)), "float32")
     for p in target.parameters():
         p.requires_grad_(False)
+    return target, tok
+
+
+def build(cfg: DrafterTrainConfig, loaded=None):
+    """(target, tokenizer, drafter, drafter config); `loaded` = (target, tokenizer) already loaded."""
+    target, tok = loaded if loaded is not None else load_frozen_target(cfg)
     torch.manual_seed(cfg.seed)
     if cfg.init_from:
         drafter = initial_drafter(cfg, target.config)
         dcfg = drafter.config
     else:
-        extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head}.items() if v}
+        extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head,
+                                   "taps": tuple(cfg.taps)}.items() if v}
         if cfg.kind == "dspark":
             extra["rank"] = cfg.rank
         dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)

@@ -25,7 +25,12 @@ from tqdm import tqdm
 from dspark.drafters.base import save_drafter
 from dspark.train.checkpoint import append_log, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.drafter import (
-    DrafterTrainConfig, batch_at, build, evaluate, load_frozen_target, read_rows,
+    DrafterTrainConfig,
+    batch_at,
+    build,
+    evaluate,
+    load_frozen_target,
+    read_rows,
 )
 from dspark.train.losses import LossWeights, drafter_loss
 

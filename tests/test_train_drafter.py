@@ -84,3 +84,11 @@ def test_init_from_grows_a_deeper_backbone_that_computes_the_same(qwen3_dir, sav
     assert deep.state_dict()["backbone.layers.3.mlp.down_proj.weight"].abs().sum() > 0  # the new layers trained
     with pytest.raises(ValueError, match="deeper"):
         build(config(qwen3_dir, saved, num_layers=1))
+
+
+def test_init_from_moves_to_other_target_layers(qwen3_dir, saved):
+    """taps in the config move a saved drafter onto other layers (a target grown deeper), same count only."""
+    _, _, drafter, dcfg = build(config(qwen3_dir, saved, taps=(2,)))
+    assert dcfg.taps == (2,) and drafter.taps == (2,)
+    with pytest.raises(ValueError, match="taps"):
+        build(config(qwen3_dir, saved, taps=(0, 1)))

@@ -180,7 +180,9 @@ def expected_tau(conditional: list[float]) -> float:
 
 def initial_drafter(cfg: DrafterTrainConfig, target_config):
     """The drafter at cfg.init_from, in float32, as the start of a further stage (e.g. after the
-    target trained further). Its STS temperatures are dropped: calibrate the new weights again."""
+    target trained further). Its STS temperatures are dropped: calibrate the new weights again.
+    `cfg.taps` moves it to other target layers (as many as it reads), e.g. onto a target grown
+    deeper (`train.target.deepen`: tiny's layer i is the grown model's layer 4i + 3)."""
     from dspark.drafters.registry import load_drafter
 
     drafter = load_drafter(cfg.init_from)
@@ -191,7 +193,9 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError("init_from drafter was built for a target of another size")
     if cfg.num_layers and cfg.num_layers != dcfg.num_layers:
         drafter = grow(drafter, cfg.num_layers)
-    drafter.config = drafter.config.replace(sts_temperatures=())
+    if cfg.taps and len(cfg.taps) != len(dcfg.taps):
+        raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
+    drafter.config = drafter.config.replace(sts_temperatures=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
 
 

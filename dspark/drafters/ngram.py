@@ -51,9 +51,6 @@ class NgramDrafter(Drafter):
     def extend(self, rows: Sequence[ContextRow]) -> None:
         pass  # reads the token history directly
 
-    def rollback(self, seq_id: str, length: int) -> None:
-        pass
-
     def free(self, seq_id: str) -> None:
         pass
 

@@ -4,6 +4,7 @@
     dspark bench offline   tau per dataset, acceptance per position, threshold sweep (Table 1, Figs. 2, 5)
     dspark bench online    closed-loop serving frontier and verification budget (Figs. 7, 8)
     dspark bench peers     single stream vs transformers generate() (greedy, prompt lookup)
+    dspark bench host      per-step host time near the start vs the end of a 4,000-token generation
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     q.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
     q.set_defaults(func=run_peers)
 
+    h = sub.add_parser("host", help="per-step host time near the start vs the end of a long generation")
+    h.add_argument("--max-tokens", type=int, default=4000)
+    h.add_argument("--drafters", type=_names, default=["eagle3", "dspark", "ngram"], help="besides plain decoding")
+    h.add_argument("--out", default=None, help="output directory (default docs/results)")
+    h.set_defaults(func=run_host)
+
     t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
     t.set_defaults(func=run_targets)
@@ -163,4 +170,12 @@ def run_targets(args: argparse.Namespace) -> int:
     from dspark.bench.report import DEFAULT_OUT
 
     targets.run(args.results or DEFAULT_OUT)
+    return 0
+
+
+def run_host(args: argparse.Namespace) -> int:
+    from dspark.bench import host
+    from dspark.bench.report import DEFAULT_OUT
+
+    host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or DEFAULT_OUT)
     return 0

@@ -102,7 +102,7 @@ class ProposeInput:
     seq_id: str
     anchor: int  # x0: the last emitted token, not yet in any cache
     context_len: int  # committed tokens before the anchor (= the anchor's position)
-    history: Sequence[int]  # all tokens before the anchor (prompt + output); n-gram uses it
+    tokens: Sequence[int]  # the request's own prompt + output, the anchor last (read, never copied); n-gram uses it
     generator: torch.Generator | None = None
 
 

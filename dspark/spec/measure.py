@@ -67,7 +67,7 @@ def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepP
     ids = [f"__profile{i}" for i in range(max_r)]
     dpool = getattr(drafter, "pool", None)
     c = ctx if dpool is None else max(1, min(ctx, (dpool.num_free_blocks // max_r) * dpool.block_size - gamma))
-    inputs = [ProposeInput(sid, 1, c, [1] * c) for sid in ids]
+    inputs = [ProposeInput(sid, 1, c, [1] * (c + 1)) for sid in ids]
     with torch.inference_mode():
         verify_s = [verify_time(b) for b in tokens]
         try:

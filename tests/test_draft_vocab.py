@@ -51,7 +51,7 @@ def test_greedy_output_unchanged_with_a_draft_vocabulary(qwen3_dir, plain, kind)
 
 
 def propose(drafter, rows):
-    inputs = [ProposeInput("r", anchor=5, context_len=0, history=[], generator=torch.Generator().manual_seed(1))]
+    inputs = [ProposeInput("r", anchor=5, context_len=0, tokens=[5], generator=torch.Generator().manual_seed(1))]
     drafter.pool.append("r", 0)
     return drafter.propose(inputs, rows)
 

@@ -43,7 +43,7 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov"):
         _, taps = target.forward_dense(ids, d.taps)
     anchor_pos = len(context) - 1
     d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
-    block = d.propose([ProposeInput("r", context[-1], anchor_pos, context[:-1])],
+    block = d.propose([ProposeInput("r", context[-1], anchor_pos, context)],
                       SamplingRows.same(1, SamplingParams(temperature=0.0)))
     drafted = block.tokens[0].tolist()
     full = torch.tensor([context + drafted])
@@ -199,3 +199,28 @@ def test_default_taps_spread_over_depth_and_skip_the_last_layer():
     for n in range(2, 64):
         taps = default_taps(n)
         assert taps[0] == 0 and max(taps) < n - 1 and len(set(taps)) == len(taps)
+
+
+def scan_lookup(tokens: list[int], gamma: int, n_max: int, n_min: int) -> list[int]:
+    """The n-gram rule by a plain scan: the latest earlier match of the longest suffix."""
+    from dspark.drafters.ngram import continuation
+
+    size = len(tokens)
+    for n in range(min(n_max, size - 1), n_min - 1, -1):
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[size - n :]:
+                return continuation(tokens, start + n, gamma)
+    return []
+
+
+def test_ngram_index_grows_with_new_tokens_and_proposes_what_a_scan_finds():
+    from dspark.drafters.ngram import SuffixIndex
+
+    rng = np.random.default_rng(0)
+    for vocab in (2, 3, 6):
+        tokens: list[int] = []
+        index = SuffixIndex(4, 1)
+        for _ in range(60):
+            tokens.extend(int(t) for t in rng.integers(0, vocab, size=int(rng.integers(1, 4))))
+            assert index.lookup(tokens, 5) == scan_lookup(tokens, 5, 4, 1)
+        assert index.size == len(tokens) - 1  # each token indexed once, when it was new

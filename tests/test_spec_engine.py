@@ -130,3 +130,25 @@ def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, referenc
     assert sizes and max(sizes) == 1 and engine.runner.drafted_steps == len(sizes)
     assert engine.runner.drafted_steps < engine.runner.steps
     assert 0 in slots  # a closed gate withholds the draft slots between its probes
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+def test_shifted_drafters_keep_one_feature_per_request_and_count_it(qwen3_dir, reference, kind):
+    """EAGLE-3/MTP read only the last committed token's fused feature: what they keep beside
+    the paged cache is one [d] row per request at every length, and the cache figures count it."""
+    from dspark.drafters.neural import NeuralDrafter
+
+    engine = engine_for(qwen3_dir, kind, "static:3")
+    drafter = engine.drafter
+    row = drafter.config.hidden_size * torch.tensor([], dtype=engine.model.dtype).element_size()
+    reqs = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    seen = set()
+    while engine.has_unfinished():
+        engine.step()
+        kept = drafter.cache_bytes_in_use() - NeuralDrafter.cache_bytes_in_use(drafter)
+        drafted = sum(1 for r in reqs if drafter.pool.length(r.request_id) > 0)
+        assert kept == row * drafted
+        seen.add(drafted)
+    assert max(seen) == 3
+    assert [engine.output(r).token_ids for r in reqs] == reference[:3]
+    assert drafter.cache_bytes_in_use() == 0

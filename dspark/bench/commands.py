@@ -5,6 +5,7 @@
     dspark bench online    closed-loop serving frontier and verification budget (Figs. 7, 8)
     dspark bench peers     single stream vs transformers generate() (greedy, prompt lookup)
     dspark bench soak      the server under mixed load and faults for --duration s: RSS, KV pool, errors
+    dspark bench host      per-step host time near the start vs the end of a 4,000-token generation
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     k.add_argument("--policy", default=None)
     k.add_argument("--seed", type=int, default=None)
     k.set_defaults(func=run_soak)
+    h = sub.add_parser("host", help="per-step host time near the start vs the end of a long generation")
+    h.add_argument("--max-tokens", type=int, default=4000)
+    h.add_argument("--drafters", type=_names, default=["eagle3", "dspark", "ngram"], help="besides plain decoding")
+    h.add_argument("--out", default=None, help="output directory (default docs/results)")
+    h.set_defaults(func=run_host)
 
     t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
@@ -194,4 +200,12 @@ def run_targets(args: argparse.Namespace) -> int:
     from dspark.bench.report import DEFAULT_OUT
 
     targets.run(args.results or DEFAULT_OUT)
+    return 0
+
+
+def run_host(args: argparse.Namespace) -> int:
+    from dspark.bench import host
+    from dspark.bench.report import DEFAULT_OUT
+
+    host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or DEFAULT_OUT)
     return 0

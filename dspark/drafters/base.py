@@ -1,12 +1,14 @@
 """The drafter interface the engine calls, and the config every drafter checkpoint carries.
 
 A drafter keeps per-request state (its own caches of the target's context features) and
-offers four calls, all batched over the running requests:
+offers three calls, all batched over the running requests:
 - `extend(rows)`: context features (tapped target hidden states) of newly committed tokens;
 - `propose(inputs, sampling)`: a `DraftBlock` of gamma tokens per request, the draft
   distribution each was sampled from, and a confidence per position where it has a head;
-- `rollback(seq_id, length)`: forget context past `length` (rejected or preempted tokens);
-- `free(seq_id)`.
+- `free(seq_id)`: forget the request (finished, aborted, or preempted: it is recomputed).
+
+There is no rollback: a drafter's caches only ever receive committed tokens (draft entries
+live in temporary slots during `propose`), and a preempted request starts over from `free`.
 """
 
 from __future__ import annotations
@@ -100,7 +102,7 @@ class ProposeInput:
     seq_id: str
     anchor: int  # x0: the last emitted token, not yet in any cache
     context_len: int  # committed tokens before the anchor (= the anchor's position)
-    history: Sequence[int]  # all tokens before the anchor (prompt + output); n-gram uses it
+    tokens: Sequence[int]  # the request's own prompt + output, the anchor last (read, never copied); n-gram uses it
     generator: torch.Generator | None = None
 
 
@@ -130,9 +132,6 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         """A draft block for each input; rows holds each request's sampling settings (one row per input)."""
-
-    @abstractmethod
-    def rollback(self, seq_id: str, length: int) -> None: ...
 
     @abstractmethod
     def free(self, seq_id: str) -> None: ...

@@ -38,7 +38,9 @@ class ShiftedDrafter(NeuralDrafter):
         self.layer = DecoderLayer(layer_config(config, 1))
         self.norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = Rotary(config.head_dim, config.rope_theta, None)
-        self.features: dict[str, torch.Tensor] = {}  # per request: fused f of committed tokens [n, d]
+        # per request: the fused feature f of its last committed token [d], the only one ever read
+        # again (the next context entry's f_{i-1}, and the first draft step's input)
+        self.last: dict[str, torch.Tensor] = {}
 
     def entry(self, feat: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """z = W_in [norm(f_{i-1}); norm(emb(x_i))]; feat and tokens aligned on the last dims."""
@@ -49,10 +51,10 @@ class ShiftedDrafter(NeuralDrafter):
         prev_feats, toks = [], []
         for r in rows:
             fused = self.fuse(r.features.to(self.target.dtype))  # [n, d]
-            before = self.features.get(r.seq_id)
-            last = before[-1:] if before is not None and len(before) else torch.zeros_like(fused[:1])
-            prev_feats.append(torch.cat([last, fused[:-1]]))
-            self.features[r.seq_id] = fused if before is None else torch.cat([before, fused])
+            before = self.last.get(r.seq_id)
+            first = before[None] if before is not None else torch.zeros_like(fused[:1])
+            prev_feats.append(torch.cat([first, fused[:-1]]))
+            self.last[r.seq_id] = fused[-1].clone()  # a copy: a view would keep all n rows alive
             toks.extend(r.token_ids)
         z = self.entry(torch.cat(prev_feats), upload(toks, self.target.device))
         slots, positions = self.slots_and_positions(rows)
@@ -61,19 +63,18 @@ class ShiftedDrafter(NeuralDrafter):
         kc, vc = self.cache.layers[0]
         kc[slots], vc[slots] = k, v
 
-    def rollback(self, seq_id: str, length: int) -> None:
-        super().rollback(seq_id, length)
-        if seq_id in self.features:
-            self.features[seq_id] = self.features[seq_id][:length]
-
     def free(self, seq_id: str) -> None:
         super().free(seq_id)
-        self.features.pop(seq_id, None)
+        self.last.pop(seq_id, None)
+
+    def cache_bytes_in_use(self) -> int:
+        """The paged context entries plus the last feature kept per request."""
+        return super().cache_bytes_in_use() + sum(f.numel() * f.element_size() for f in self.last.values())
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         dev, d = self.target.device, self.config.hidden_size
-        feat = torch.stack([self.features[i.seq_id][-1] if i.context_len else torch.zeros(d, device=dev, dtype=self.target.dtype)
+        feat = torch.stack([self.last[i.seq_id] if i.context_len else torch.zeros(d, device=dev, dtype=self.target.dtype)
                             for i in inputs])
         prev = upload([i.anchor for i in inputs], dev)
         gens = [i.generator for i in inputs]

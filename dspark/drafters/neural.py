@@ -1,5 +1,5 @@
 """What every drafter with weights shares: the frozen target's embedding and LM head, and a
-paged cache of per-request context entries (one per committed token) with rollback.
+paged cache of per-request context entries (one per committed token).
 
 Subclasses define `write_context` (turn new context features into cache entries) and
 `propose`. The cache reserves gamma extra slots per request for the draft block's own
@@ -133,10 +133,6 @@ class NeuralDrafter(nn.Module, Drafter):
 
     def write_context(self, rows: Sequence[ContextRow]) -> None:
         raise NotImplementedError
-
-    def rollback(self, seq_id: str, length: int) -> None:
-        if self.pool.length(seq_id) > length:
-            self.pool.truncate(seq_id, length)
 
     def free(self, seq_id: str) -> None:
         self.pool.free(seq_id)

@@ -21,6 +21,7 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import ModelRunner, StepResult
 from dspark.engine.scheduler import Scheduler
 from dspark.kv_cache import PagedKVCache
+from dspark.models.detokenize import Detokenizer
 from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
@@ -112,7 +113,7 @@ class LLMEngine:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params, self.tokenizer.eos_token_ids, self.max_model_len, self.model.device,
-                      self.generator)
+                      self.generator, Detokenizer(self.tokenizer, params.stop))
         req.stats.arrival_time = self.clock()
         self.requests[rid] = req
         self.scheduler.add(req)
@@ -164,7 +165,7 @@ class LLMEngine:
         req.stats.rounds += 1
         reason = None
         for i, tok in enumerate(tokens):
-            req.output_ids.append(tok)
+            req.append(tok)
             req.stats.completion_tokens += 1
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[i])
@@ -177,12 +178,8 @@ class LLMEngine:
     def _stop_reason(self, req: Request, tok: int) -> str | None:
         if tok in req.stop_ids:
             return "stop"
-        if req.params.stop:
-            text = self.tokenizer.decode(req.output_ids)
-            hits = [text.find(s) for s in req.params.stop if s in text]
-            if hits:
-                req.text, req.text_final = text[: min(hits)], True
-                return "stop"
+        if req.detokenizer is not None and req.detokenizer.stop_at is not None:  # a stop string appeared
+            return "stop"
         if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -190,15 +187,15 @@ class LLMEngine:
     def finish(self, req: Request, reason: str, now: float) -> None:
         """Retire req: the one place a request leaves the engine (its blocks, drafter state and
         table entry go); the caller keeps the Request object to read its output."""
-        if not req.text_final:
-            req.text = self.tokenizer.decode(req.output_ids)
+        if req.detokenizer is not None:
+            req.text = req.detokenizer.final(req.output_ids)
         self.scheduler.finish(req, reason)
         self.runner.release(req.request_id)
         self.requests.pop(req.request_id, None)
         req.stats.finish_time = now
 
     def output(self, req: Request) -> RequestOutput:
-        text = req.text if req.is_finished else self.tokenizer.decode(req.output_ids)
+        text = req.text if req.is_finished or req.detokenizer is None else req.detokenizer.text
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_ids, text=text,
             token_ids=list(req.output_ids), finish_reason=req.finish_reason, stats=req.stats.as_dict(),

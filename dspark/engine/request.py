@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.models.detokenize import Detokenizer
 from dspark.sampling import SamplingParams
 
 _arrivals = itertools.count()
@@ -83,18 +84,19 @@ class RequestStats:
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_model_len: int, device: torch.device | str,
-                 generator: torch.Generator | None = None) -> None:
+                 generator: torch.Generator | None = None, detokenizer: Detokenizer | None = None) -> None:
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
         self.params = params
         self.output_ids: list[int] = []
+        self.all_ids: list[int] = list(prompt_ids)  # prompt + output, grown in place (never rebuilt)
+        self.detokenizer = detokenizer  # the output text, token by token (None: ids only)
         self.output_logprobs: list[dict] = []
         self.num_computed = 0
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
-        self.text = ""  # output text, stop string removed once finished
-        self.text_final = False  # True once a stop string fixed the text
+        self.text = ""  # the output text once finished, stop string removed
         self.arrival = next(_arrivals)
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
         self.max_model_len = max_model_len
@@ -106,9 +108,12 @@ class Request:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def append(self, token_id: int) -> None:
+        """One emitted token: the output, the whole sequence and the text grow by it."""
+        self.output_ids.append(token_id)
+        self.all_ids.append(token_id)
+        if self.detokenizer is not None:
+            self.detokenizer.push(token_id)
 
     @property
     def num_tokens(self) -> int:

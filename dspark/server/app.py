@@ -150,7 +150,7 @@ async def respond(request: Request, aengine: AsyncEngine, body: CompletionReques
     stream = aengine.submit(ids, params, request_id, arrival)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        events = stream_events(stream, shaper, TextStream(aengine.engine.tokenizer, params.stop), usage)
+        events = stream_events(stream, shaper, TextStream(params.stop), usage)
         return AbortingStreamingResponse(events, lambda: release(aengine, stream), media_type="text/event-stream")
     try:
         return JSONResponse(await collect_or_disconnect(request, stream, shaper))
@@ -184,9 +184,10 @@ async def stream_events(stream: RequestStream, shaper: Shaper, text: TextStream,
         if delta.error is not None:
             yield sse(delta.error.body())
             break
-        piece = text.push(delta.token_ids)
-        if delta.finish_reason is not None:
-            piece += text.finish(delta.text or "")
+        if delta.finish_reason is None:
+            piece = text.push(delta.piece)
+        else:  # the final text: cut before a stop string, a trailing incomplete character decoded
+            piece = text.finish(delta.text or "")
         if piece or delta.logprobs or delta.finish_reason or first:
             yield sse(shaper.chunk(piece, delta.logprobs, delta.finish_reason, first))
             first = False

@@ -45,6 +45,7 @@ class Delta:
 
     token_ids: list[int]
     logprobs: list[dict] = field(default_factory=list)
+    piece: str = ""  # the text these tokens completed (the engine's detokenizer; holds no stop cut)
     finish_reason: str | None = None
     text: str | None = None  # the final text (stop string removed), once finished
     stats: dict[str, Any] | None = None  # req.stats.as_dict(), once finished
@@ -82,6 +83,7 @@ class _Live:
     stream: RequestStream
     meter: RequestMeter
     sent: int = 0  # output tokens already handed to the stream
+    pieces: int = 0  # text pieces of the request's detokenizer already handed to the stream
 
 
 class StepProbe:
@@ -293,6 +295,9 @@ class AsyncEngine:
             return
         delta = Delta(req.output_ids[live.sent:n], req.output_logprobs[live.sent:n])
         live.sent = n
+        if req.detokenizer is not None:
+            pieces = req.detokenizer.pieces
+            delta.piece, live.pieces = "".join(pieces[live.pieces:]), len(pieces)
         self.metrics.observe_request(live.meter, req.stats, now)
         if req.is_finished:
             out = self.engine.output(req)

@@ -1,10 +1,10 @@
-"""OpenAI response and stream-chunk bodies, logprobs in OpenAI's shapes, incremental text.
+"""OpenAI response and stream-chunk bodies, logprobs in OpenAI's shapes, streamed text.
 
-Pure functions of what the engine produced: no I/O, no engine calls. `TextStream` turns
-token ids into text deltas whose concatenation is exactly the non-streamed text: it holds
-back an incomplete UTF-8 character and, when stop strings are set, the last
-(longest stop - 1) characters, since those might still become the start of a stop string
-that the engine will cut off.
+Pure functions of what the engine produced: no I/O, no engine calls. `TextStream` turns the
+text pieces the engine's detokenizer produced (`models/detokenize.py`: nothing here decodes)
+into deltas whose concatenation is exactly the non-streamed text: when stop strings are set
+it holds back the last (longest stop - 1) characters, since those might still become the
+start of a stop string that the engine will cut off.
 """
 
 from __future__ import annotations
@@ -15,32 +15,28 @@ from typing import Any
 
 from dspark.models.tokenizer import TextTokenizer
 
-REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
-
 
 class TextStream:
-    def __init__(self, tokenizer: TextTokenizer, stop: tuple[str, ...]) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.sent = ""
+    def __init__(self, stop: tuple[str, ...]) -> None:
         self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.held = ""  # received, not sent yet (at most holdback characters between pushes)
+        self.sent = 0  # characters sent
 
-    def push(self, token_ids: list[int]) -> str:
-        """New tokens -> the text that is now safe to send (may be empty)."""
-        self.ids += token_ids
-        text = self.tokenizer.decode(self.ids).rstrip(REPLACEMENT)
-        safe = text[: max(len(self.sent), len(text) - self.holdback)]
-        return self._advance(safe)
+    def push(self, piece: str) -> str:
+        """New text of an unfinished request -> the text that is now safe to send (may be empty)."""
+        text = self.held + piece
+        cut = max(0, len(text) - self.holdback)
+        self.held = text[cut:]
+        self.sent += cut
+        return text[:cut]
 
     def finish(self, final_text: str) -> str:
-        """The engine's final text (stop string removed) -> the rest of it."""
-        return self._advance(final_text)
-
-    def _advance(self, text: str) -> str:
-        if not text.startswith(self.sent):
-            return ""  # the decoder rewrote text already sent; nothing consistent to add
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        """The engine's final text (stop string removed) -> the rest of it. What was sent never
+        reaches into a stop string: a stop string would have finished the request as soon as
+        it was whole, so it begins within the last holdback characters of an earlier push."""
+        rest = final_text[self.sent :]
+        self.sent, self.held = len(final_text), ""
+        return rest
 
 
 def token_text(tokenizer: TextTokenizer, token_id: int) -> str:

@@ -14,6 +14,8 @@ its own went stale the same way when the machine slowed: biased comparisons that
 gate on hostile traffic.)
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
+
+Profiles are cached in `$DSPARK_PROFILE_DIR` (default `~/.cache/dspark/profiles`).
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-CACHE_DIR = Path("~/.cache/dspark/profiles").expanduser()
+CACHE_ENV = "DSPARK_PROFILE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached: $DSPARK_PROFILE_DIR, else ~/.cache/dspark/profiles (read at
+    each call, so a test or a second deployment can point it elsewhere)."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/dspark/profiles").expanduser()
 
 
 def interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -139,13 +148,13 @@ def timed(fn, repeats: int, device: torch.device) -> float:
 
 
 def load_cached(key: str) -> StepProfile | None:
-    path = CACHE_DIR / f"{key}.json"
+    path = cache_dir() / f"{key}.json"
     return StepProfile.from_json(path.read_text()) if path.is_file() else None
 
 
 def save_cached(profile: StepProfile) -> Path:
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    path = CACHE_DIR / f"{profile.key}.json"
+    path = cache_dir() / f"{profile.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     return path
 

@@ -240,7 +240,7 @@ class SpecRunner:
 
     def _propose(self, decode: Sequence[ScheduledRequest]) -> DraftBlock:
         reqs = [s.request for s in decode]
-        inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids[:-1], r.generator) for r in reqs]
+        inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids, r.generator) for r in reqs]
         return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device))
 
     def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int) -> list[int]:

@@ -1,0 +1,96 @@
+"""Every drafter x every policy on a fresh machine: an EMPTY step-profile cache directory.
+
+The cost-weighing policies (dspark, dspark-async) measure the profile at engine start when
+it is not cached; the measurement drafts for throw-away requests, so every drafter must
+hold what `propose` reads for them (EAGLE-3/MTP once raised KeyError '__profile0' here).
+Covers `LLM`/`build_engine`, `dspark serve`'s app startup and `dspark profile`; each run
+points `DSPARK_PROFILE_DIR` at its own empty temporary directory.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.cli import build_parser, main
+from dspark.config import EngineConfig
+from dspark.drafters.base import save_drafter
+from dspark.drafters.registry import new_config, new_drafter
+from dspark.engine.factory import build_engine
+from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams
+from dspark.spec.profile import CACHE_ENV
+
+KINDS = ["dspark", "dflash", "eagle3", "mtp", "ngram"]
+POLICIES = ["none", "static:3", "threshold:0.3", "dspark", "dspark-async"]
+PROMPTS = ["def add(a, b):", "The quick brown fox"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+SMALL = ["--device", "cpu", "--max-num-seqs", "2", "--max-num-batched-tokens", "24"]
+
+
+@pytest.fixture(scope="module")
+def drafters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
+    """kind -> what `--drafter` takes: `ngram`, or a directory of an untrained drafter."""
+    net, tok = load_model(qwen3_dir)
+    out = {"ngram": "ngram"}
+    for kind in KINDS[:-1]:
+        torch.manual_seed(0)
+        config = new_config(kind, net.config, tok.token_id("<|mask|>") or 0)
+        path = tmp_path_factory.mktemp(kind)
+        save_drafter(new_drafter(config), config, path)  # type: ignore[arg-type]
+        out[kind] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(qwen3_dir) -> list[list[int]]:
+    engine = build_engine(str(qwen3_dir), None, "none", EngineConfig(device="cpu"))
+    return [o.token_ids for o in engine.run_until_done([engine.add_request(p, GREEDY) for p in PROMPTS])]
+
+
+def fresh_dir(tmp_path, monkeypatch, name: str):
+    path = tmp_path / name.replace(":", "-")
+    monkeypatch.setenv(CACHE_ENV, str(path))
+    assert not path.exists()
+    return path
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_policy_builds_and_generates_without_a_cached_profile(qwen3_dir, drafters, reference, kind,
+                                                                     tmp_path, monkeypatch):
+    cfg = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=24)
+    for policy in POLICIES:
+        cache = fresh_dir(tmp_path, monkeypatch, f"{kind}-{policy}")
+        engine = build_engine(str(qwen3_dir), drafters[kind], policy, cfg)
+        outs = engine.run_until_done([engine.add_request(p, GREEDY) for p in PROMPTS])
+        assert [o.token_ids for o in outs] == reference, (kind, policy)
+        measured = sorted(cache.glob("*.json")) if cache.exists() else []
+        assert len(measured) == (1 if engine.policy.needs_cost else 0), (kind, policy)
+        assert engine.kv.pool.num_used_blocks == 0
+        if engine.drafter is not None and policy != "none":
+            assert engine.drafter.cache_bytes_in_use() == 0  # the profile's throw-away requests are freed
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_profile_command_measures_into_an_empty_cache(qwen3_dir, drafters, kind, tmp_path, monkeypatch, capsys):
+    cache = fresh_dir(tmp_path, monkeypatch, kind)
+    assert main(["profile", "--model", str(qwen3_dir), "--drafter", drafters[kind], "--device", "cpu"]) == 0
+    assert "draft  R=" in capsys.readouterr().out
+    assert len(list(cache.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_serve_starts_and_answers_without_a_cached_profile(qwen3_dir, drafters, kind, tmp_path, monkeypatch):
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from dspark.server.launch import ServerThread, build_app
+
+    cache = fresh_dir(tmp_path, monkeypatch, kind)
+    args = build_parser().parse_args(["serve", "--model", str(qwen3_dir), "--drafter", drafters[kind],
+                                      "--policy", "dspark-async", *SMALL])
+    with ServerThread(build_app(args)) as srv:
+        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+        reply = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    assert len(list(cache.glob("*.json"))) == 1

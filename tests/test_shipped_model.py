@@ -1,23 +1,24 @@
-"""The shipped dspark-tiny target loads with our loader and with transformers' Auto classes,
-and both give the same logits and the same chat rendering on a few prompts."""
+"""The shipped targets (dspark-tiny, dspark-small) load with our loader and with transformers'
+Auto classes, and both give the same logits and the same chat rendering on a few prompts."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark.models.loader import BUILTIN_MODELS, load_model
 
-PATH = BUILTIN_MODELS["dspark-tiny"]
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "Complete the following Python function:",
            "Explain the with statement."]
 
 
-def test_shipped_target_matches_transformers():
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_shipped_target_matches_transformers(name):
     import transformers
 
-    net, tok = load_model("dspark-tiny")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(PATH, dtype=torch.float32).eval()
-    hf_tok = transformers.AutoTokenizer.from_pretrained(PATH)
+    net, tok = load_model(name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(BUILTIN_MODELS[name], dtype=torch.float32).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(BUILTIN_MODELS[name])
     for prompt in PROMPTS:
         messages = [{"role": "user", "content": prompt}]
         ours_text = tok.apply_chat_template(messages)
@@ -29,6 +30,17 @@ def test_shipped_target_matches_transformers():
             ours = net.logits(hidden, normed=True)[0]
             theirs = hf(torch.tensor([ids])).logits[0]
         assert (ours - theirs).abs().max().item() < 1e-3
+
+
+def test_dspark_small_is_deep_and_thin():
+    """dspark-small: dspark-tiny's tokenizer and width, four times its depth (verifying a block costs
+    about one step on a CPU when per-layer work dominates)."""
+    small, small_tok = load_model("dspark-small")
+    tiny, tiny_tok = load_model("dspark-tiny")
+    cfg = small.config
+    assert cfg.model_type == "qwen3" and cfg.num_hidden_layers >= 24 and cfg.hidden_size == tiny.config.hidden_size
+    assert small_tok.encode("def f(x):\n    return x") == tiny_tok.encode("def f(x):\n    return x")
+    assert 15e6 <= sum(p.numel() for p in small.parameters()) <= 30e6
 
 
 def test_shipped_target_is_the_default_and_in_spec():

@@ -3,7 +3,7 @@
 A directory holds `config.json`, `model.safetensors` (or `model.safetensors.index.json`
 with shards), `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 `load_model` returns the target and its tokenizer; nothing is ever fetched from a hub.
-The name `dspark-tiny` resolves to the model shipped inside the package.
+The names `dspark-tiny` and `dspark-small` resolve to the models shipped inside the package.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
-BUILTIN_MODELS = {"dspark-tiny": ASSETS / "dspark-tiny" / "target"}
+BUILTIN_MODELS = {"dspark-tiny": ASSETS / "dspark-tiny" / "target", "dspark-small": ASSETS / "dspark-small" / "target"}
 DEFAULT_MODEL = "dspark-tiny"
 
 

@@ -37,7 +37,7 @@ class ShiftedDrafter(NeuralDrafter):
         self.inp = nn.Linear(2 * d, d, bias=False)
         self.layer = DecoderLayer(layer_config(config, 1))
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, None)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling_dict)
         self.features: dict[str, torch.Tensor] = {}  # per request: fused f of committed tokens [n, d]
 
     def entry(self, feat: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ serves in the engine with greedy output identical to plain decoding."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 
 ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
 FIXTURES = {"deepspec": "deepspec", "deepspec_gated": "deepspec", "dflash": "dflash",
-            "speculators_dspark": "speculators", "speculators_eagle3": "speculators"}
+            "speculators_dspark": "speculators", "speculators_eagle3": "speculators", "eagle": "eagle"}
 
 
 def fixture(name: str):
@@ -61,17 +62,14 @@ def test_fixture_matches_reference(name):
     assert detect(ROOT / name) == FIXTURES[name]
     target, drafter = loaded(name)
     block, logits = propose_logits(target, drafter, meta["context"], meta["anchor"])
-    assert logits.shape == ref["logits"].shape
-    assert (logits - ref["logits"]).abs().max().item() < 1e-4
-    assert block.tokens[0].tolist() == meta["tokens"]
+    n = len(meta["tokens"])  # EAGLE-3's own config does not say how many steps: dspark drafts 7, the reference 5
+    assert logits.shape[0] == n or FIXTURES[name] == "eagle"
+    assert logits[:n].shape == ref["logits"].shape
+    assert (logits[:n] - ref["logits"]).abs().max().item() < 1e-4
+    assert block.tokens[0, :n].tolist() == meta["tokens"]
     if "confidence_logits" in ref:
         assert (block.confidence_logits[0] - ref["confidence_logits"]).abs().max().item() < 1e-4
         assert torch.allclose(block.confidence[0], torch.sigmoid(ref["confidence_logits"]))  # raw: no STS file
-
-
-@pytest.fixture(scope="module")
-def target_dir():
-    return ROOT / "target_qwen3"
 
 
 def greedy_outputs(target_dir, drafter_dir=None, policy="none"):
@@ -85,9 +83,15 @@ def greedy_outputs(target_dir, drafter_dir=None, policy="none"):
     return [o.token_ids for o in outs], engine, sum(o.stats["verified_tokens"] for o in outs)
 
 
+@functools.cache
+def plain_outputs(target: str) -> list[list[int]]:
+    return greedy_outputs(ROOT / target)[0]
+
+
 @pytest.mark.parametrize("name", sorted(FIXTURES))
-def test_fixture_serves_lossless(target_dir, name):
-    plain, _, _ = greedy_outputs(target_dir)
+def test_fixture_serves_lossless(name):
+    target_dir = ROOT / fixture(name)[0]["target"]
+    plain = plain_outputs(target_dir.name)
     for policy in ("static:3", "dspark"):
         spec, engine, verified = greedy_outputs(target_dir, ROOT / name, policy)
         assert spec == plain, (name, policy)

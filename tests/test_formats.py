@@ -97,3 +97,47 @@ def test_fixture_serves_lossless(name):
         assert spec == plain, (name, policy)
         assert verified > 0  # draft tokens were verified: the drafter really ran
         assert engine.drafter.cache_bytes_in_use() == 0
+
+
+def test_fewer_draft_tokens_still_run_the_whole_block():
+    """--gamma below the checkpoint's block keeps the block's slots (bidirectional attention within
+    the block: a shorter block would change every position), so the first logits still match."""
+    meta, ref = fixture("deepspec")
+    target, drafter = loaded("deepspec")
+    drafter.config = drafter.config.replace(gamma=2)
+    block, logits = propose_logits(target, drafter, meta["context"], meta["anchor"])
+    assert block.tokens.shape == (1, 2)
+    assert (logits - ref["logits"][:2]).abs().max().item() < 1e-4
+
+
+def test_llm_serves_a_published_drafter_directory():
+    from dspark.llm import LLM
+
+    llm = LLM(str(ROOT / "target_qwen3"), drafter=str(ROOT / "deepspec"), policy="dspark", profile="off", device="cpu")
+    assert llm.engine.drafter.has_confidence
+    out = llm.generate([[5, 9, 14, 3]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert out[0].token_ids == plain_outputs_for([5, 9, 14, 3], 8)
+
+
+def plain_outputs_for(prompt: list[int], n: int) -> list[int]:
+    net, tok = load_model(ROOT / "target_qwen3")
+    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4))
+    return engine.run_until_done([engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                                           ignore_eos=True))])[0].token_ids
+
+
+def test_calibrate_works_on_a_published_checkpoint(tmp_path):
+    """A DeepSpec checkpoint has no STS temperatures: it serves raw confidences (above) until
+    `dspark calibrate` writes `sts_temperatures` into its config.json, which then loads back."""
+    import shutil
+
+    from dspark.spec.rollouts import calibrate
+
+    drafter_dir = tmp_path / "deepspec"
+    shutil.copytree(ROOT / "deepspec", drafter_dir)
+    cal = calibrate(str(ROOT / "target_qwen3"), str(drafter_dir), ["t5 t9 t14 t3 t77", "t20 t21 t22 t40"],
+                    str(tmp_path / "out"), max_tokens=12, temperature=1.0)
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and len(raw["sts_temperatures"]) == len(cal.temperatures) == 5
+    drafter = load_drafter(str(drafter_dir), target=load_target(ROOT / "target_qwen3").config)
+    assert drafter.config.sts_temperatures == tuple(raw["sts_temperatures"])

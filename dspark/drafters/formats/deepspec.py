@@ -55,7 +55,8 @@ def head_fields(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
 def read(path: Path, raw: dict[str, Any], target: ModelConfig | None, state: dict[str, torch.Tensor]):
     fields = layer_fields(raw)
     fit_target("hidden_size", "vocab_size", fields["hidden_size"], fields["vocab_size"], target)
-    cfg = DrafterConfig(kind="dspark", gamma=int(raw["block_size"]),
+    slots = int(raw["block_size"])  # kept when --gamma drafts fewer: the block always runs whole, as trained
+    cfg = DrafterConfig(kind="dspark", gamma=slots, block_size=slots,
                         taps=taps(raw["target_layer_ids"], 0, "target_layer_ids", target),
                         **head_fields(raw, fields["vocab_size"]), **fields)
     return cfg, rename(state, RULES, drop=SHARED)

@@ -50,6 +50,6 @@ def read(path: Path, raw: dict[str, Any], target: ModelConfig | None, state: dic
         if total is None:
             raise mismatch("dflash_config.target_layer_ids", "missing, and no num_target_layers to derive them from")
         layer_ids = default_layer_ids(int(total), fields["num_layers"])
-    cfg = DrafterConfig(kind="dflash", gamma=int(slots) - 1, anchor_slot=False, head="none", confidence=False,
+    cfg = DrafterConfig(kind="dflash", gamma=int(slots) - 1, block_size=int(slots), anchor_slot=False, head="none", confidence=False,
                         mask_token_id=mask, taps=taps(layer_ids, 0, "dflash_config.target_layer_ids", target), **fields)
     return cfg, rename(state, deepspec.RULES, drop=deepspec.SHARED)

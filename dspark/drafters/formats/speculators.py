@@ -68,7 +68,7 @@ def read_block(raw, target, state, fields, ids, kind):
     layer_ids = raw.get("aux_hidden_state_layer_ids")
     cfg = DrafterConfig(kind="dspark" if kind == "dspark" else "dflash", gamma=gamma,
                         taps=taps(layer_ids or [], 1, "aux_hidden_state_layer_ids", target),
-                        block_size=slots if slots != gamma + (0 if anchor else 1) else 0, anchor_slot=anchor,
+                        block_size=slots, anchor_slot=anchor,
                         draft_vocab=ids, own_lm_head=bool(ids), **heads, **fields)
     drop = VERIFIER_OWNED + (() if ids else ("lm_head.",))
     out = rename(state, deepspec.RULES, drop=drop)

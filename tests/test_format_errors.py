@@ -65,7 +65,7 @@ def test_eagle_vocabulary_mismatch_names_the_key():
     ("deepspec", "target_layer_ids", [0, 1, 4]),
     ("dflash", "dflash_config.target_layer_ids", [1, 9]),
     ("speculators_dspark", "aux_hidden_state_layer_ids", [1, 5]),  # 5 > the target's 4 layers
-    ("speculators_dspark", "aux_hidden_state_layer_ids", [0, 2]),  # 0: the embeddings
+    ("speculators_dspark", "aux_hidden_state_layer_ids", [3, 1]),  # not increasing
     ("speculators_eagle3", "eagle_aux_hidden_state_layer_ids", [1, 2, 7]),
     ("eagle", "eagle_config.eagle_aux_hidden_state_layer_ids", [1, 2, 6]),
 ])
@@ -109,3 +109,9 @@ def test_weights_of_another_shape_than_the_config_are_named(tmp_path):
     path = copy(tmp_path, "deepspec", {"intermediate_size": 96})
     with pytest.raises(ValueError, match="mlp.gate_proj.weight"):
         load_drafter(str(path), target=read_config(ROOT / "target_qwen3"))
+
+
+def test_the_embeddings_can_be_tapped(tmp_path):
+    """DeepSpec's id -1 and speculators' id 0 name the embedding output: dspark taps it as -1."""
+    path = copy(tmp_path, "speculators_dspark", {"aux_hidden_state_layer_ids": [0, 3]})
+    assert load_drafter(str(path), target=read_config(ROOT / "target_qwen3")).config.taps == (-1, 2)

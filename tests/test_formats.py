@@ -141,3 +141,12 @@ def test_calibrate_works_on_a_published_checkpoint(tmp_path):
     assert raw["architectures"] == ["Qwen3DSparkModel"] and len(raw["sts_temperatures"]) == len(cal.temperatures) == 5
     drafter = load_drafter(str(drafter_dir), target=load_target(ROOT / "target_qwen3").config)
     assert drafter.config.sts_temperatures == tuple(raw["sts_temperatures"])
+
+
+def test_tap_minus_one_is_the_embedding_output():
+    target = load_target(ROOT / "target_qwen3")
+    ids = torch.tensor([[5, 9, 14]])
+    _, taps = target.forward_dense(ids, taps=(-1, 1))
+    _, layer1 = target.forward_dense(ids, taps=(1,))
+    d = target.config.hidden_size
+    assert torch.equal(taps[..., :d], target.model.embed_tokens(ids)) and torch.equal(taps[..., d:], layer1)

@@ -174,7 +174,7 @@ def check_compatible(cfg: DrafterConfig, target: CausalLM) -> None:
         problems.append(f"vocabulary {cfg.vocab_size} != target's {t.vocab_size}")
     if cfg.hidden_size != t.hidden_size:
         problems.append(f"hidden size {cfg.hidden_size} != target's {t.hidden_size}")
-    bad_taps = [i for i in cfg.taps if not 0 <= i < t.num_hidden_layers]
+    bad_taps = [i for i in cfg.taps if not -1 <= i < t.num_hidden_layers]
     if bad_taps:
         problems.append(f"tap layers {bad_taps} outside the target's {t.num_hidden_layers} layers")
     bad_vocab = [i for i in cfg.draft_vocab if not 0 <= i < t.vocab_size]

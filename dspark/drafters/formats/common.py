@@ -60,14 +60,16 @@ def layer_fields(raw: Mapping[str, Any], where: str = "") -> dict[str, Any]:
 
 
 def taps(ids: Sequence[int], shift: int, key: str, target: ModelConfig | None, top: int | None = None) -> tuple[int, ...]:
-    """A format's target layer ids -> dspark taps (the output of layer i). shift: what to subtract
-    (DeepSpec and DFlash count as dspark does, 0; speculators/vLLM count hidden-state indices, 1:
-    id i is the residual stream after i layers, 0 the embeddings)."""
+    """A format's target layer ids -> dspark taps (the output of layer i; -1 the embeddings). shift:
+    what to subtract (DeepSpec and DFlash count as dspark does, 0; speculators/vLLM count
+    hidden-state indices, 1: id i is the residual stream after i layers, 0 the embeddings)."""
     if not ids:
         raise mismatch(key, "no target layers")
     out = tuple(int(i) - shift for i in ids)
-    if any(t < 0 for t in out):
-        raise mismatch(key, f"{list(ids)} taps the embedding output, which dspark's target does not expose")
+    if any(t < -1 for t in out):
+        raise mismatch(key, f"{list(ids)}: negative layer ids")
+    if any(b <= a for a, b in zip(out, out[1:], strict=False)):
+        raise mismatch(key, f"{list(ids)}: the layer ids must increase (the target concatenates taps in layer order)")
     if target is not None:
         limit = target.num_hidden_layers if top is None else top
         bad = [i for i, t in zip(ids, out, strict=True) if t >= limit]

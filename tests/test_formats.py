@@ -150,3 +150,28 @@ def test_tap_minus_one_is_the_embedding_output():
     _, layer1 = target.forward_dense(ids, taps=(1,))
     d = target.config.hidden_size
     assert torch.equal(taps[..., :d], target.model.embed_tokens(ids)) and torch.equal(taps[..., d:], layer1)
+
+
+def test_speculators_dflash_matches_the_zlab_reference(tmp_path):
+    """The z-lab DFlash fixture rewritten as speculators' converter writes it (`speculators_model_type:
+    dflash`, aux ids = z-lab ids + 1, slot 0 not sampled) gives the same block logits."""
+    import shutil
+
+    zlab = json.loads((ROOT / "dflash" / "config.json").read_text())
+    layer = {k: v for k, v in zlab.items() if k not in ("architectures", "block_size", "dflash_config", "num_target_layers")}
+    raw = {"speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "transformer_layer_config": layer,
+           "draft_vocab_size": zlab["vocab_size"], "block_size": zlab["block_size"], "sample_from_anchor": False,
+           "aux_hidden_state_layer_ids": [i + 1 for i in zlab["dflash_config"]["target_layer_ids"]],
+           "mask_token_id": zlab["dflash_config"]["mask_token_id"],
+           "speculators_config": {"proposal_methods": [{"speculative_tokens": zlab["block_size"] - 1}]}}
+    out = tmp_path / "speculators_dflash"
+    out.mkdir()
+    shutil.copy(ROOT / "dflash" / "model.safetensors", out)
+    (out / "config.json").write_text(json.dumps(raw))
+    meta, ref = fixture("dflash")
+    target = load_target(ROOT / "target_qwen3")
+    drafter = load_drafter(str(out), target=target.config)
+    drafter.bind(target, num_blocks=32, block_size=4)
+    block, logits = propose_logits(target, drafter, meta["context"], meta["anchor"])
+    assert detect(out) == "speculators" and drafter.config.kind == "dflash"
+    assert (logits - ref["logits"]).abs().max().item() < 1e-4

@@ -35,8 +35,8 @@ def trained_like(tmp_path: Path, head: str) -> Path:
     return tmp_path / "ours"
 
 
-def outputs(path: Path):
-    target = load_target(TARGET)
+def outputs(path: Path, target_dir: Path = TARGET):
+    target = load_target(target_dir)
     drafter = load_drafter(str(path), target=target.config)
     drafter.bind(target, num_blocks=32, block_size=4)
     block, logits = propose_logits(target, drafter, [5, 9, 14, 3, 77, 120, 42], 8)
@@ -67,3 +67,14 @@ def test_export_refuses_what_the_formats_cannot_hold(tmp_path):
     (ours / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="markov_rank"):
         export(str(ours), str(TARGET), "deepspec", str(tmp_path / "x"))
+
+
+def test_eagle3_in_the_published_layout_exports_to_speculators(tmp_path):
+    """An original EAGLE-3 checkpoint converted to speculators' eagle3 (what vLLM serves)."""
+    target = ROOT / "target_llama"
+    out = export(str(ROOT / "eagle"), str(target), "speculators", str(tmp_path / "eagle3"))
+    assert detect(out) == "speculators"
+    d0, b0, l0 = outputs(ROOT / "eagle", target)
+    d1, b1, l1 = outputs(out, target)
+    assert d1.config.split_entry and d1.config.draft_vocab == d0.config.draft_vocab and d1.config.taps == d0.config.taps
+    assert (l1 - l0).abs().max().item() < 1e-6 and torch.equal(b1.tokens, b0.tokens)

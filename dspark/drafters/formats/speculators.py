@@ -1,5 +1,5 @@
 """vLLM speculators checkpoints (`speculators_model_type`: `dspark`, `dflash` or `eagle3`), in;
-`dspark` out (what vLLM serves).
+`dspark` and `eagle3` out (what vLLM serves; `eagle3` for EAGLE-3 drafters in the published layout).
 
 Layer shapes come from `transformer_layer_config` (a diff against transformers' defaults). Target
 layer ids (`aux_hidden_state_layer_ids`, `eagle_aux_hidden_state_layer_ids`) count hidden-state
@@ -102,29 +102,61 @@ def read_eagle3(raw, target, state, fields, ids):
     return cfg, rename(state, rules, drop=VERIFIER_OWNED)
 
 
+def layer_config(cfg: DrafterConfig, t: ModelConfig) -> dict[str, Any]:
+    """`transformer_layer_config` of the drafter's decoder layers."""
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, **(cfg.rope_scaling_dict or {})}
+    return {"model_type": cfg.layer_type, "vocab_size": t.vocab_size, "hidden_size": cfg.hidden_size,
+            "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
+            "rope_parameters": rope, "tie_word_embeddings": False}
+
+
+def proposal(algorithm: str, cfg: DrafterConfig, t: ModelConfig) -> dict[str, Any]:
+    return {"algorithm": algorithm, "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.gamma}],
+            "verifier": {"name_or_path": None, "architectures": [f"{t.model_type.capitalize()}ForCausalLM"]}}
+
+
 def write(drafter, target, out_dir: Path) -> Path:
-    """speculators `dspark` config.json + model.safetensors for a dspark DSpark drafter of `target`."""
+    """speculators `dspark` (or, for an EAGLE-3 drafter in the published layout, `eagle3`)
+    config.json + model.safetensors for a drafter of `target`."""
+    if drafter.config.split_entry:
+        return write_eagle3(drafter, target, out_dir)
     cfg = drafter.config
     deepspec.check_exportable(cfg)
     t = target.config
-    layer = {"model_type": "qwen3", "vocab_size": t.vocab_size, "hidden_size": cfg.hidden_size,
-             "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_layers,
-             "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
-             "head_dim": cfg.head_dim, "rms_norm_eps": cfg.rms_norm_eps, "max_position_embeddings": t.max_position_embeddings,
-             "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "tie_word_embeddings": False}
+    layer = layer_config(cfg, t)
     raw = {"speculators_model_type": "dspark", "architectures": ["DSparkSpeculator"],
            "transformer_layer_config": layer, "draft_vocab_size": t.vocab_size, "block_size": cfg.slots,
            "aux_hidden_state_layer_ids": [i + 1 for i in cfg.taps], "mask_token_id": cfg.mask_token_id,
            "sample_from_anchor": True, "markov_rank": cfg.rank,
            "markov_head_type": {v: k for k, v in deepspec.HEADS.items()}[cfg.head],
            "enable_confidence_head": cfg.confidence, "confidence_head_with_markov": cfg.confidence_markov,
-           "speculators_version": "0.9.0",
-           "speculators_config": {"algorithm": "dspark", "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.gamma}],
-                                  "verifier": {"name_or_path": None, "architectures": [f"{t.model_type.capitalize()}ForCausalLM"]}}}
+           "speculators_version": "0.9.0", "speculators_config": proposal("dspark", cfg, t)}
     if cfg.sts_temperatures:
         raw["sts_temperatures"] = list(cfg.sts_temperatures)
     return deepspec.save(out_dir, raw, deepspec.dspark_names(drafter))
+
+
+def write_eagle3(drafter, target, out_dir: Path) -> Path:
+    """speculators `eagle3` for an EAGLE-3 drafter in the published layout (read from any EAGLE-3
+    format: this converts original / SpecForge checkpoints for vLLM)."""
+    cfg, t = drafter.config, target.config
+    raw = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+           "transformer_layer_config": layer_config(cfg, t), "draft_vocab_size": len(cfg.draft_vocab) or t.vocab_size,
+           "norm_before_residual": cfg.norm_before_residual, "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.taps],
+           "speculators_version": "0.9.0", "speculators_config": proposal("eagle3", cfg, t)}
+    rules = {"layer.": "layers.0.", "own_head.": "lm_head."}
+    state = {}
+    for key, value in drafter.state_dict().items():
+        prefix = next((p for p in rules if key.startswith(p)), "")
+        state[rules.get(prefix, "") + key[len(prefix):]] = value.detach()
+    if cfg.draft_vocab:
+        ids = torch.tensor(cfg.draft_vocab)
+        state["d2t"] = ids - torch.arange(len(ids))
+        state["t2d"] = torch.zeros(t.vocab_size, dtype=torch.bool).index_fill_(0, ids, True)
+    return deepspec.save(out_dir, raw, state)
 
 
 def verifier(out_dir: Path, name_or_path: str) -> None:

@@ -152,6 +152,8 @@ def write_eagle3(drafter, target, out_dir: Path) -> Path:
     for key, value in drafter.state_dict().items():
         prefix = next((p for p in rules if key.startswith(p)), "")
         state[rules.get(prefix, "") + key[len(prefix):]] = value.detach()
+    # speculators' eagle3 keeps the embedding in the checkpoint (from_pretrained does not refill it from the verifier)
+    state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach()
     if cfg.draft_vocab:
         ids = torch.tensor(cfg.draft_vocab)
         state["d2t"] = ids - torch.arange(len(ids))

@@ -175,3 +175,11 @@ def test_speculators_dflash_matches_the_zlab_reference(tmp_path):
     block, logits = propose_logits(target, drafter, meta["context"], meta["anchor"])
     assert detect(out) == "speculators" and drafter.config.kind == "dflash"
     assert (logits - ref["logits"]).abs().max().item() < 1e-4
+
+
+def test_draft_vocab_does_not_apply_to_a_checkpoints_own_vocabulary():
+    _, drafter = loaded("speculators_eagle3")
+    with pytest.raises(ValueError, match="draft-vocab"):
+        drafter.restrict_vocab([1, 2, 3])
+    drafter.restrict_vocab(None)  # back to the checkpoint's own draft vocabulary, not the whole one
+    assert drafter.vocab_ids.tolist() == list(drafter.config.draft_vocab)

@@ -66,6 +66,8 @@ class NeuralDrafter(nn.Module, Drafter):
         """Draft from these token ids only (None: the whole vocabulary again). Needs bind().
         A checkpoint with its own draft vocabulary (`config.draft_vocab`) keeps it."""
         fixed = self.config.draft_vocab
+        if self.own_head is not None and not fixed and ids is not None:
+            raise ValueError("this drafter drafts with its own LM head over every token; --draft-vocab does not apply")
         if fixed and ids is not None and list(ids) != list(fixed):
             raise ValueError(f"this drafter's checkpoint fixes its draft vocabulary ({len(fixed)} tokens, its d2t "
                              "map); --draft-vocab does not apply to it")

@@ -3,7 +3,7 @@
 | format | detected by | in | out |
 |---|---|---|---|
 | DeepSpec DSpark (`deepspec`) | `architectures: ["Qwen3DSparkModel"]` | yes | yes |
-| speculators `dspark` / `eagle3` (`speculators`) | `speculators_model_type` | yes | dspark |
+| speculators `dspark` / `dflash` / `eagle3` (`speculators`) | `speculators_model_type` | yes | dspark, eagle3 |
 | z-lab DFlash (`dflash`) | `dflash_config` | yes | no |
 | original / SpecForge EAGLE-3 (`eagle`) | `midlayer.*` weights, `draft_vocab_size` | yes | no |
 

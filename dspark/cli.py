@@ -5,6 +5,7 @@
     dspark serve [--model PATH] [--drafter NAME] [--policy P] [--host H] [--port N] ...
     dspark train corpus|tokenizer|target ...
     dspark bench decode ...
+    dspark export-drafter --drafter DIR --format deepspec|speculators --out DIR
 
 Each subcommand's work lives in its own module; this file only parses arguments.
 """
@@ -100,6 +101,14 @@ def cmd_draft_vocab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export_drafter(args: argparse.Namespace) -> int:
+    from dspark.drafters.formats.export import export
+
+    out = export(args.drafter, args.model, args.format, args.out, args.verifier)
+    print(f"wrote {args.format} drafter to {out}")
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.engine.factory import build_engine
 
@@ -165,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default=None, help="where the target runs for --expected (default cpu)")
     v.set_defaults(func=cmd_draft_vocab)
 
+    x = sub.add_parser("export-drafter", help="write a dspark DSpark drafter as a DeepSpec or speculators checkpoint")
+    x.add_argument("--model", default=None, help="the target directory (default dspark-tiny)")
+    x.add_argument("--drafter", default="dspark", help="a shipped name or a drafter directory")
+    x.add_argument("--format", required=True, choices=["deepspec", "speculators"])
+    x.add_argument("--out", required=True, help="output directory")
+    x.add_argument("--verifier", default=None, help="speculators: the verifier's name or path (default: --model's directory)")
+    x.set_defaults(func=cmd_export_drafter)
     p = sub.add_parser("profile", help="measure/print the step-cost profile (SPS and draft time)")
     add_engine_args(p)
     add_spec_args(p)

@@ -24,12 +24,13 @@ from dspark.models.qwen3 import DecoderLayer, KVLayer
 
 
 def layer_config(cfg: DrafterConfig, num_layers: int | None = None) -> ModelConfig:
-    """The drafter's layers are target-family (Qwen3) decoder layers of the same width."""
+    """The drafter's layers are target-family (Qwen3 or Llama) decoder layers of the same width."""
     return ModelConfig(
-        model_type="qwen3", vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+        model_type=cfg.layer_type, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size, num_hidden_layers=num_layers or cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
         head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
     )
 
 
@@ -41,7 +42,7 @@ class Backbone(nn.Module):
         self.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, None)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., m*d] -> H_ctx [..., d]."""

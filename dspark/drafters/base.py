@@ -27,6 +27,7 @@ from dspark.sampling import SamplingRows
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram")
 HEADS = ("markov", "gated", "rnn", "none")
+LAYER_TYPES = ("qwen3", "llama")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ class DrafterConfig:
     sts_temperatures: tuple[float, ...] = ()  # per-position STS temperatures (empty: raw)
     ngram_max: int = 4  # n-gram drafter: longest suffix matched
     ngram_min: int = 1
+    # ---- what published checkpoint formats mean (dspark/drafters/formats/); defaults: dspark's own ----
+    layer_type: str = "qwen3"  # the drafter's decoder layers: qwen3 (q/k-norm) | llama
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    block_size: int = 0  # slots in a parallel block (0: gamma, +1 without the anchor slot); a larger
+    #                      block is run whole and its first gamma proposals kept, as its trainer did
+    anchor_slot: bool = True  # the anchor's own slot predicts x_1 (DSpark); False: slot k predicts x_k (DFlash)
+    confidence_markov: bool = True  # the confidence head reads [h_k; W1[x_{k-1}]]; False: h_k alone
+    draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
+    own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
+    split_entry: bool = False  # EAGLE-3 as published: attention reads [norm(emb); norm(g)], g the residual
+    norm_before_residual: bool = False  # EAGLE-3 (split_entry): the residual is norm(g), not g
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -58,10 +70,17 @@ class DrafterConfig:
             raise ValueError(f"unknown sequential head {self.head!r}; expected one of {HEADS}")
         if self.gamma < 1:
             raise ValueError("gamma must be >= 1")
-        if self.confidence and self.head == "none":
+        if self.confidence and self.confidence_markov and self.head == "none":
             raise ValueError("the confidence head reads the sequential head's W1: it needs a head")
-        object.__setattr__(self, "taps", tuple(self.taps))
-        object.__setattr__(self, "sts_temperatures", tuple(self.sts_temperatures))
+        if self.layer_type not in LAYER_TYPES:
+            raise ValueError(f"unknown layer_type {self.layer_type!r}; expected one of {LAYER_TYPES}")
+        for name in ("taps", "sts_temperatures", "draft_vocab"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.rope_scaling is not None:
+            scaling = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) else self.rope_scaling
+            object.__setattr__(self, "rope_scaling", tuple(sorted((k, v) for k, v in scaling)))
+        if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
+            raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
@@ -74,6 +93,15 @@ class DrafterConfig:
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def slots(self) -> int:
+        """Slots of one parallel block: the anchor's, then masks."""
+        return self.block_size or self.gamma + (0 if self.anchor_slot else 1)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
 
 
 @dataclass

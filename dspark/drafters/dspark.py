@@ -29,7 +29,8 @@ class DSparkDrafter(NeuralDrafter):
         self.backbone = Backbone(config)
         self.head = SequentialHead(config.head, config.vocab_size, config.rank, config.hidden_size) \
             if config.head != "none" else None
-        self.conf = ConfidenceHead(config.hidden_size, config.rank) if config.confidence else None
+        self.conf = ConfidenceHead(config.hidden_size, config.rank if config.confidence_markov else 0) \
+            if config.confidence else None
 
     @property
     def has_confidence(self) -> bool:
@@ -41,14 +42,15 @@ class DSparkDrafter(NeuralDrafter):
         slots, positions = self.slots_and_positions(rows)
         self.backbone.write_context(self.backbone.context(feats), positions, slots, self.cache.layers)
 
-    def block_inputs(self, anchors: torch.Tensor) -> torch.Tensor:
-        """anchors [...] -> block token ids [..., gamma]: the anchor, then masks."""
-        masks = torch.full((*anchors.shape, self.gamma - 1), self.config.mask_token_id, device=anchors.device)
+    def block_inputs(self, anchors: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+        """anchors [...] -> block token ids [..., slots] (default gamma): the anchor, then masks."""
+        slots = slots or self.gamma
+        masks = torch.full((*anchors.shape, slots - 1), self.config.mask_token_id, device=anchors.device)
         return torch.cat([anchors[..., None], masks], dim=-1)
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
-        g, dev = self.gamma, self.target.device
+        g, dev = self.config.slots, self.target.device  # the whole block runs; gamma proposals are kept
         for inp in inputs:
             if self.pool.length(inp.seq_id) != inp.context_len:
                 raise RuntimeError(f"drafter context of {inp.seq_id} is out of step with the target")
@@ -59,12 +61,13 @@ class DSparkDrafter(NeuralDrafter):
                 [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev, causal=False,
             )
             anchors = upload([i.anchor for i in inputs], dev)
-            x = self.embed(self.block_inputs(anchors).flatten())  # [R*g, d]
+            x = self.embed(self.block_inputs(anchors, g).flatten())  # [R*g, d]
             hidden = self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1)
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
-        return self.sample_block(hidden, anchors, rows, [i.generator for i in inputs])
+        first = 0 if self.config.anchor_slot else 1  # DFlash: the anchor's slot predicts nothing
+        return self.sample_block(hidden[:, first:first + self.gamma], anchors, rows, [i.generator for i in inputs])
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
@@ -85,7 +88,9 @@ class DSparkDrafter(NeuralDrafter):
             tokens.append(prev)
             probs.append(p)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
-        raw = self.conf(hidden, torch.stack(embs, 1)) if self.conf is not None and embs else None
+        raw = None
+        if self.conf is not None:
+            raw = self.conf(hidden, torch.stack(embs, 1) if self.config.confidence_markov else None)
         confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
         block = torch.stack(tokens, 1)
         return DraftBlock(block, self.block_probs(block, probs), confidence, confidence_logits=raw)
@@ -104,6 +109,9 @@ class DSparkDrafter(NeuralDrafter):
         moving the backbone and the head (it then trains only the confidence head).
         """
         self.check_trainable()
+        if self.config.slots != self.gamma or not self.config.anchor_slot:
+            raise RuntimeError("training runs gamma-slot blocks whose anchor slot predicts x_1; this drafter's "
+                               f"block has {self.config.slots} slots (anchor_slot={self.config.anchor_slot})")
         b, a, g = anchors.shape[0], anchors.shape[1], self.gamma
         offs = torch.arange(g, device=tokens.device)
         block_pos = anchors[..., None] + offs  # [B, A, g]
@@ -114,12 +122,14 @@ class DSparkDrafter(NeuralDrafter):
         h_ctx = self.backbone.context(taps)
         hidden = self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1)
         logits = self.lm_head(hidden)
-        conf = None
+        conf, emb = None, None
         if self.head is not None:
             bias, emb = self.head.teacher(hidden, prev)
             logits = logits + bias.float()
-            if self.conf is not None:
-                conf = self.conf(hidden.detach(), emb.detach()) if conf_stop_grad else self.conf(hidden, emb)
+        if self.conf is not None:
+            emb = emb if self.config.confidence_markov else None
+            conf = self.conf(hidden.detach(), None if emb is None else emb.detach()) if conf_stop_grad \
+                else self.conf(hidden, emb)
         return logits, conf
 
 

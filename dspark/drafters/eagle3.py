@@ -37,7 +37,7 @@ class ShiftedDrafter(NeuralDrafter):
         self.inp = nn.Linear(2 * d, d, bias=False)
         self.layer = DecoderLayer(layer_config(config, 1))
         self.norm = RMSNorm(d, config.rms_norm_eps)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, None)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling_dict)
         # per request: the fused feature f of its last committed token [d], the only one ever read
         # again (the next context entry's f_{i-1}, and the first draft step's input)
         self.last: dict[str, torch.Tensor] = {}

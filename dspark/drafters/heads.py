@@ -68,14 +68,16 @@ class SequentialHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c_k = sigmoid(w^T [h_k; W1[x_{k-1}]] + b); returns the logit (STS scales it)."""
+    """c_k = sigmoid(w^T [h_k; W1[x_{k-1}]] + b); returns the logit (STS scales it). rank 0: [h_k] alone."""
 
     def __init__(self, hidden: int, rank: int) -> None:
         super().__init__()
         self.proj = nn.Linear(hidden + rank, 1)
 
-    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
-        return self.proj(torch.cat([h, prev_emb], dim=-1)).squeeze(-1).float()
+    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        """prev_emb None: a head that reads h_k alone (DeepSpec's confidence_head_with_markov=false)."""
+        x = h if prev_emb is None else torch.cat([h, prev_emb], dim=-1)
+        return self.proj(x).squeeze(-1).float()
 
 
 def apply_sts(conf_logits: torch.Tensor, temperatures: tuple[float, ...]) -> torch.Tensor:

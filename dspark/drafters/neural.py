@@ -38,6 +38,9 @@ class NeuralDrafter(nn.Module, Drafter):
         self.cache: PagedKVCache | None = None
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft vocabulary (None: all)
         self.vocab_rows: torch.Tensor | None = None  # [N, d] the LM head's rows for them
+        # a checkpoint's own LM head over its fixed draft vocabulary (EAGLE-3, speculators' d2t)
+        self.own_head = nn.Linear(config.hidden_size, len(config.draft_vocab) or config.vocab_size, bias=False) \
+            if config.own_lm_head else None
 
     # ---- the frozen target parts -----------------------------------------------------
     @property
@@ -52,13 +55,23 @@ class NeuralDrafter(nn.Module, Drafter):
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normed hidden [..., d] -> logits [..., V] (float32) with the target's LM head; [..., N]
         over the draft vocabulary when one is set."""
+        if self.own_head is not None:
+            return self.own_head(hidden).float()
         if self.vocab_rows is not None:
             return F.linear(hidden, self.vocab_rows).float()
         return self.target.lm_head(hidden).float()
 
     # ---- the draft vocabulary -------------------------------------------------------------
     def restrict_vocab(self, ids: Sequence[int] | None) -> None:
-        """Draft from these token ids only (None: the whole vocabulary again). Needs bind()."""
+        """Draft from these token ids only (None: the whole vocabulary again). Needs bind().
+        A checkpoint with its own draft vocabulary (`config.draft_vocab`) keeps it."""
+        fixed = self.config.draft_vocab
+        if self.own_head is not None and not fixed and ids is not None:
+            raise ValueError("this drafter drafts with its own LM head over every token; --draft-vocab does not apply")
+        if fixed and ids is not None and list(ids) != list(fixed):
+            raise ValueError(f"this drafter's checkpoint fixes its draft vocabulary ({len(fixed)} tokens, its d2t "
+                             "map); --draft-vocab does not apply to it")
+        ids = ids if ids is not None or not fixed else fixed
         if ids is None:
             self.vocab_ids = self.vocab_rows = None
             self.restrict_heads(None)
@@ -109,6 +122,8 @@ class NeuralDrafter(nn.Module, Drafter):
         check_compatible(self.config, target)
         self._target = [target]
         self.to(device=target.device, dtype=target.dtype)
+        if self.config.draft_vocab:
+            self.restrict_vocab(self.config.draft_vocab)
         from dspark.drafters.backbone import layer_config
 
         self.cache = PagedKVCache(layer_config(self.config, self.cache_layers), num_blocks, block_size,
@@ -157,8 +172,11 @@ def check_compatible(cfg: DrafterConfig, target: CausalLM) -> None:
         problems.append(f"vocabulary {cfg.vocab_size} != target's {t.vocab_size}")
     if cfg.hidden_size != t.hidden_size:
         problems.append(f"hidden size {cfg.hidden_size} != target's {t.hidden_size}")
-    bad_taps = [i for i in cfg.taps if not 0 <= i < t.num_hidden_layers]
+    bad_taps = [i for i in cfg.taps if not -1 <= i < t.num_hidden_layers]
     if bad_taps:
         problems.append(f"tap layers {bad_taps} outside the target's {t.num_hidden_layers} layers")
+    bad_vocab = [i for i in cfg.draft_vocab if not 0 <= i < t.vocab_size]
+    if bad_vocab:
+        problems.append(f"draft vocabulary ids {bad_vocab[:5]} outside the target's {t.vocab_size} tokens")
     if problems:
         raise ValueError(f"drafter ({cfg.kind}) does not match this target: " + "; ".join(problems))

@@ -1,7 +1,9 @@
 """Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|PATH` to a drafter instance.
 
 A name picks the checkpoint shipped for the model (`assets/<model>/drafters/<kind>/`);
-`ngram` needs no weights; a path is a directory with `config.json` (+ `model.safetensors`).
+`ngram` needs no weights; a path is a directory with `config.json` (+ `model.safetensors`):
+dspark's own format or a published one (DeepSpec, speculators, DFlash, EAGLE-3), detected by
+`dspark/drafters/formats/`.
 `new_drafter` builds an untrained one sized for a target (training, tests).
 """
 
@@ -23,11 +25,15 @@ def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
     return tuple(range(0, num_layers - 1, step))[:count]
 
 
-def drafter_class(kind: str):
+def drafter_class(kind: str, split_entry: bool = False):
     if kind in ("dspark", "dflash"):
         from dspark.drafters.dspark import DSparkDrafter
 
         return DSparkDrafter
+    if kind == "eagle3" and split_entry:
+        from dspark.drafters.eagle import Eagle3Drafter
+
+        return Eagle3Drafter
     if kind in ("eagle3", "mtp"):
         from dspark.drafters.eagle3 import ShiftedDrafter
 
@@ -59,7 +65,7 @@ def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrid
 
 
 def new_drafter(config: DrafterConfig) -> Drafter:
-    return drafter_class(config.kind)(config)
+    return drafter_class(config.kind, config.split_entry)(config)
 
 
 def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig | None = None,
@@ -77,6 +83,11 @@ def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig |
         path = shipped
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"drafter {name!r}: not a known kind ({', '.join(KINDS)}) nor a directory with config.json")
+    from dspark.drafters import formats
+
+    published = formats.load(path, target)
+    if published is not None:
+        return published
     config = DrafterConfig.from_json((path / "config.json").read_text())
     drafter = new_drafter(config)
     weights = path / "model.safetensors"

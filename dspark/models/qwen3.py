@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
 
     def _run_layers(self, x, positions, meta, kv_caches, taps: Sequence[int]):
         cos, sin = self.model.rotary.cos_sin(positions, x.dtype)
-        tapped = []
+        tapped = [x] if -1 in taps else []  # tap -1: the embeddings (DeepSpec's target_layer_ids allow it)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, meta, kv_caches[i] if kv_caches is not None else None)
             if i in taps:

@@ -175,9 +175,11 @@ class SpecRunner:
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
+        drafter.set_profile(profile)
 
     def set_profile(self, profile: StepProfile) -> None:
         self.profile = profile
+        self.drafter.set_profile(profile)
         if self.gate is not None:
             self.gate.profile = profile
 
@@ -230,7 +232,8 @@ class SpecRunner:
             self._verify(result, decode, block, lengths, batch, out, len(plain))
         self._commit_context(result, [*plain, *decode], batch, out)
         result.times["accept"] = time.perf_counter() - t2
-        self._observe(len(decode), batch.num_tokens, result, drafting)
+        drafted = len(decode) if block is None or block.num_drafted is None else block.num_drafted
+        self._observe(drafted, batch.num_tokens, result, drafting)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -250,6 +253,9 @@ class SpecRunner:
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
         cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0)
+        profile, drafted = self.profile, block.num_drafted
+        if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
+            cost = lambda r, b: profile.cost(drafted, b)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -274,6 +280,7 @@ class SpecRunner:
             result.num_computed[r.request_id] = r.num_computed + 1 + n
             result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
             result.verified[r.request_id], result.accepted[r.request_id] = ell, n
+            result.sources[r.request_id] = self.drafter.config.kind if block.sources is None else block.sources[i]
             if r.params.logprobs is not None:
                 emitted = upload(verdict.tokens[i], self.device)
                 result.logprobs[r.request_id] = token_logprobs(logits[offsets[i] : offsets[i] + n + 1], emitted,
@@ -320,7 +327,7 @@ class SpecRunner:
         if self.profile is None:
             return
         self.profile.observe_verify(num_tokens, result.times["verify"])
-        if drafted:
+        if drafted and num_decode:
             self.profile.observe_draft(num_decode, result.times["draft"])
 
 

@@ -4,10 +4,10 @@ Every step the suffix drafter proposes for every request first (host work, cost 
 calibrated confidences give each request's expected accepted tokens E_copy, the sum of its prefix
 survival products (the quantity Algorithm 1 ranks). The neural drafter's expectation E_neural is
 predicted per request from the survival sums of its own confidence head the last times it drafted
-for that request (untried requests: the mean over all of them). Requests are then taken in order
-of E_neural - E_copy and moved to the neural drafter while that raises expected tokens per second
-of the step, draft(k) + verify(B) from the step profile (the neural drafter's proposal for k
-requests; the copy drafter's cost taken as 0), stopping at the first move that does not. The
+for that request (untried requests: the mean over all of them). Requests are then ordered by
+E_neural - E_copy, and the first k of them go to the neural drafter for the k that maximises expected
+tokens per second of the step, (R + sum of E) / (draft(k) + verify(B)) from the step profile (the
+neural drafter's proposal for k requests; the copy drafter's cost taken as 0). The
 neural drafter then runs for those requests alone; its context features wait here until a
 request is routed to it, so copy-served requests cost it nothing.
 
@@ -36,22 +36,19 @@ def expected_tokens(conf: torch.Tensor, valid: Sequence[int]) -> list[float]:
 
 def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile | None, other: int = 0) -> list[int]:
     """Indices of the requests the neural drafter should draft for (see the module docstring)."""
-    order = sorted(range(len(copy)), key=lambda r: copy[r] - neural[r])
+    order = [r for r in sorted(range(len(copy)), key=lambda r: copy[r] - neural[r]) if neural[r] > copy[r]]
     if profile is None:  # no costs known: the larger expectation wins
-        return sorted(r for r in order if neural[r] > copy[r])
+        return sorted(order)
     tokens = len(copy) + sum(copy)
     batch = len(copy) + other + sum(copy)
-    best, chosen = tokens / profile.cost(0, round(batch)), []
-    for r in order:
+    best, best_k = tokens / profile.cost(0, round(batch)), 0
+    for k, r in enumerate(order, 1):
         gain = neural[r] - copy[r]
-        if gain <= 0:
-            break
-        theta = (tokens + gain) / profile.cost(len(chosen) + 1, round(batch + gain))
-        if theta <= best:
-            break  # the early stop, as Algorithm 1
-        best, tokens, batch = theta, tokens + gain, batch + gain
-        chosen.append(r)
-    return sorted(chosen)
+        tokens, batch = tokens + gain, batch + gain
+        theta = tokens / profile.cost(k, round(batch))
+        if theta > best:  # every prefix is weighed (no early stop: nothing here was sampled this step), so
+            best, best_k = theta, k  # a fixed cost of starting the neural drafter can pay off over many requests
+    return sorted(order[:best_k])
 
 
 class RoutedDrafter(Drafter):

@@ -97,9 +97,9 @@ class Calibration:
         return (min(match, 3) if match <= 3 else 4 + (match > 6) + (match > 12),
                 min(4, int(freq * 5)), min(total, 3))
 
-    def confidence(self, bucket: tuple, hits: int, total: int) -> float:
+    def confidence(self, bucket: tuple, hits: int, total: int, match: int) -> float:
         right, judged = self.table.get(bucket, (0.0, 0.0))
-        prior = hits / (total + 1)  # one unseen alternative: a single occurrence is no certainty
+        prior = hits / (total + 1 / match)  # an unseen alternative, less likely after a longer match
         return min(0.99, max(0.01, (right + self.weight * prior) / (judged + self.weight)))
 
     def observe(self, bucket: tuple, right: bool) -> None:
@@ -185,7 +185,7 @@ class SuffixDrafter(Drafter):
             token, hits = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))
             total = sum(counts.values())
             bucket = Calibration.bucket(match, hits, total)
-            c = self.calibration.confidence(bucket, hits, total)
+            c = self.calibration.confidence(bucket, hits, total, match)
             survival *= c
             if survival < cfg.suffix_floor:
                 break

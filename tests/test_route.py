@@ -71,6 +71,15 @@ def test_auto_and_dspark_plus_suffix_load(qwen3_dir):
         assert isinstance(d, RoutedDrafter) and d.config.kind == "auto" and d.copy.gamma == d.neural.gamma
     d.config = d.config.replace(gamma=3)
     assert (d.gamma, d.neural.gamma, d.copy.gamma) == (3, 3, 3)
+    from dspark import LLM
+
+    for name in ("suffix", f"{path}+suffix"):  # what `dspark generate --drafter ...` and serve build
+        llm = LLM(str(qwen3_dir), drafter=name, policy="static:3", profile="off", device="cpu")
+        out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.token_ids for o in out] == [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS[:2],
+                                                                       SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                      ignore_eos=True))]
+        assert llm.engine.drafter.config.kind == ("suffix" if name == "suffix" else "auto")
 
 
 @pytest.mark.parametrize("policy", ["static:7", "dspark"])

@@ -61,7 +61,9 @@ class Gate:
     time (measured with the context already written) does not hold. Once open, Algorithm 1 still sizes
     the budget with the prefill tokens counted. The verdict depends on the number of requests, the
     acceptance estimates and the profile; it is cached until one of the first two changes or
-    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step.
+    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step. Behind a
+    router (`auto`), the drafter's cost is weighed for the share of requests the router has lately
+    given its costly drafter (the copy drafter costs about nothing), not for all of them.
     """
 
     def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
@@ -70,6 +72,16 @@ class Gate:
         self.probing = False
         self.open = True  # the last verdict (slots are reserved for the first step)
         self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
+        self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
+
+    def cost(self, r: float, b: int) -> float:
+        """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
+        assert self.profile is not None
+        k = r * self.draft_share  # below one request: a run for one in that fraction of the steps
+        return (self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)) + self.profile.verify(b)
+
+    def observe_share(self, drafted: int, requests: int) -> None:
+        self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
 
     @property
     def idle(self) -> bool:
@@ -156,9 +168,9 @@ class Gate:
         """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?"""
         assert self.profile is not None
         cands = uniform_candidates(self.stats.lower(self.cfg.caution), caps)
-        admitted = algorithm1(cands, num_requests, 0, self.profile.cost)
+        admitted = algorithm1(cands, num_requests, 0, self.cost)
         gain = sum(c.survival for c in cands[:admitted])
-        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + admitted)
+        spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)
         plain = num_requests / self.profile.verify(num_requests)
         return spec > plain
 
@@ -233,6 +245,8 @@ class SpecRunner:
         self._commit_context(result, [*plain, *decode], batch, out)
         result.times["accept"] = time.perf_counter() - t2
         drafted = len(decode) if block is None or block.num_drafted is None else block.num_drafted
+        if decode and self.gate is not None and block is not None and block.num_drafted is not None:
+            self.gate.observe_share(drafted, len(decode))
         self._observe(drafted, batch.num_tokens, result, drafting)
         return result
 

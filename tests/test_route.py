@@ -97,6 +97,21 @@ def test_greedy_identical_with_routing_and_stats_name_the_drafters(qwen3_dir, po
     assert not engine.drafter.waiting and not engine.drafter.copy.seqs
 
 
+def test_a_neural_drafter_that_promises_more_than_it_delivers_loses_its_requests(qwen3_dir):
+    """Random DSpark weights with a confident head (each position ~0.998): its blocks promise
+    nearly gamma tokens and deliver few, so kappa falls and the copy drafter takes the requests."""
+    reference = [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS)]
+    engine = routed(qwen3_dir, "static:7", profile=None, sure=6.0)
+    drafter = engine.drafter
+    early = run(engine, PROMPTS[:7])
+    late = run(engine, PROMPTS[7:])
+    assert [o.token_ids for o in early + late] == reference
+    assert drafter.kappa < 0.5 and drafter.promised > 0
+    share = [sum(o.stats["draft_tokens_by"].get("dspark", 0) for o in outs) / sum(o.stats["draft_tokens"] for o in outs)
+             for outs in (early, late)]
+    assert share[1] < share[0], share
+
+
 # ---- the output distribution through the engine ---------------------------------------------
 V, TOKENS, N = 8, 3, 3000
 PROMPT = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6]  # the suffix drafter finds matches, DSpark drafts too

@@ -4,7 +4,11 @@ Every step the suffix drafter proposes for every request first (host work, cost 
 calibrated confidences give each request's expected accepted tokens E_copy, the sum of its prefix
 survival products (the quantity Algorithm 1 ranks). The neural drafter's expectation E_neural is
 predicted per request from the survival sums of its own confidence head the last times it drafted
-for that request (untried requests: the mean over all of them). Requests are then ordered by
+for that request (untried requests: the mean over all of them), times kappa: the draft tokens the
+requests then really committed over the survival sums that promised them, over the neural
+drafter's recent blocks (a head calibrated on other traffic can promise tokens that never come;
+a block's committed prefix is its accepted tokens, as a rejected token is never the recovered
+one). Requests are then ordered by
 E_neural - E_copy, and the first k of them go to the neural drafter for the k that maximises expected
 tokens per second of the step, (R + sum of E) / (draft(k) + verify(B)) from the step profile (the
 neural drafter's proposal for k requests; the copy drafter's cost taken as 0). The
@@ -56,19 +60,23 @@ class RoutedDrafter(Drafter):
         if not neural.has_confidence:
             raise ValueError(f"routing needs the neural drafter's confidences; {neural.config.kind} has no head")
         self.neural, self.copy, self.smoothing = neural, copy, smoothing
+        self._config = neural.config.replace(kind="auto")
         self.waiting: dict[str, list[ContextRow]] = {}  # context the neural drafter has not received
         self.expect: dict[str, float] = {}  # per request: smoothed survival sums of the neural drafter
         self.prior = neural.gamma / 2  # for requests it never drafted for (updated by all of them)
+        self.blocks: dict[str, tuple[int, list[int], float]] = {}  # last neural block: (position of x_1, tokens, sum)
+        self.kept, self.promised = 0.0, 0.0  # decayed sums behind kappa
         self.profile: StepProfile | None = None
 
     @property
     def config(self) -> DrafterConfig:
-        return self.neural.config.replace(kind="auto")
+        return self._config
 
     @config.setter
     def config(self, value: DrafterConfig) -> None:  # build_engine's --gamma reaches both drafters
         self.neural.config = self.neural.config.replace(gamma=value.gamma)
         self.copy.config = self.copy.config.replace(gamma=value.gamma)
+        self._config = self.neural.config.replace(kind="auto")
 
     @property
     def has_confidence(self) -> bool:
@@ -109,6 +117,7 @@ class RoutedDrafter(Drafter):
 
     def free(self, seq_id: str) -> None:
         self.waiting.pop(seq_id, None)
+        self.blocks.pop(seq_id, None)
         self.expect.pop(seq_id, None)
         self.neural.free(seq_id)
         self.copy.free(seq_id)
@@ -120,7 +129,9 @@ class RoutedDrafter(Drafter):
         block = self.copy.propose(inputs, rows)
         assert block.confidence is not None and block.num_valid is not None
         copy = expected_tokens(block.confidence, block.num_valid)
-        neural = [self.expect.get(i.seq_id, self.prior) for i in inputs]
+        for inp in inputs:
+            self.judge(inp)
+        neural = [self.kappa * self.expect.get(i.seq_id, self.prior) for i in inputs]
         chosen = route(copy, neural, self.profile)
         sources = [self.copy.config.kind] * len(inputs)
         if chosen:
@@ -128,7 +139,10 @@ class RoutedDrafter(Drafter):
             self.hand_over([i.seq_id for i in picked])
             nb = self.neural.propose(picked, rows.take(chosen))
             assert nb.confidence is not None
-            self.learn(picked, expected_tokens(nb.confidence, nb.num_valid or [self.gamma] * len(picked)))
+            sums = expected_tokens(nb.confidence, nb.num_valid or [self.gamma] * len(picked))
+            self.learn(picked, sums)
+            for inp, toks, e in zip(picked, nb.tokens.tolist(), sums, strict=True):
+                self.blocks[inp.seq_id] = (inp.context_len + 1, toks, e)
             index = torch.tensor(chosen, device=block.tokens.device)
             block.tokens[index] = nb.tokens.to(block.tokens.device)
             block.probs[index] = nb.probs.to(block.probs.device)
@@ -138,6 +152,26 @@ class RoutedDrafter(Drafter):
                 sources[r] = self.neural.config.kind
         block.sources, block.num_drafted = sources, len(chosen)
         return block
+
+    @property
+    def kappa(self) -> float:
+        return (self.kept + 1.0) / (self.promised + 1.0)
+
+    def judge(self, inp: ProposeInput) -> None:
+        """Fold the request's last neural block into kappa: its tokens that the request committed."""
+        last = self.blocks.pop(inp.seq_id, None)
+        seq = self.copy.seqs.get(inp.seq_id)
+        if last is None or seq is None:
+            return
+        start, tokens, promised = last
+        kept = 0
+        for k, tok in enumerate(tokens):
+            pos = start + k
+            truth = seq.tokens[pos] if pos < len(seq.tokens) else inp.anchor if pos == len(seq.tokens) else None
+            if truth != tok:
+                break
+            kept += 1
+        self.kept, self.promised = 0.98 * self.kept + kept, 0.98 * self.promised + promised
 
     def learn(self, inputs: Sequence[ProposeInput], sums: Sequence[float]) -> None:
         a = self.smoothing

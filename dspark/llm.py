@@ -21,7 +21,7 @@ class LLM:
     def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
                  drafter: str | None = None, policy: str | None = None, gamma: int | None = None,
                  profile: str = "auto", draft_vocab: int = 0, **engine_kwargs) -> None:
-        """drafter: dspark | dflash | eagle3 | mtp | ngram | PATH; policy: none | static:K |
+        """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | PATH; policy: none | static:K |
         threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
         shipped dspark drafter and policy on dspark-tiny, plain decoding elsewhere).
         draft_vocab: draft from the N most frequent tokens (0: all; `dspark draft-vocab`)."""

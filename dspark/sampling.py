@@ -83,6 +83,12 @@ class SamplingRows:
     def all_greedy(self) -> bool:
         return all(self.greedy)
 
+    def take(self, index: Sequence[int]) -> SamplingRows:
+        """These rows only (`filtered` kept: filtering a row that needs none changes nothing)."""
+        i = upload(list(index), self.temperature.device, torch.long)
+        return SamplingRows(self.temperature[i], self.top_p[i], self.top_k[i], tuple(self.greedy[j] for j in index),
+                            self.filtered)
+
 
 def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:  # [M, V] float32 -> [M, V]
     """Temperature, top-k, top-p (in that order), then softmax; greedy rows are one-hot."""

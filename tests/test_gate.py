@@ -253,3 +253,14 @@ def test_a_noisy_profile_point_takes_the_value_after_it():
     assert prof.verify_s == [0.0082, 0.0082, 0.0090, 0.0090]
     assert prof.draft_s == [0.007, 0.007]
     assert all(prof.verify(b) <= prof.verify(b + 1) for b in range(1, 12))
+
+
+def test_a_router_that_rarely_runs_its_costly_drafter_keeps_the_gate_open():
+    """Drafts that are accepted but cost more than they save when the neural drafter runs for every
+    request; a router that sends few requests to it (the copy drafter is free) makes them pay."""
+    gate = Gate(GateConfig(), stats(accept=True), profile(draft_s=0.05))
+    assert not gate.should_draft(4, [GAMMA] * 4)
+    for _ in range(60):
+        gate.observe_share(0, 4)
+    gate.memo = None
+    assert gate.draft_share < 0.01 and gate.should_draft(4, [GAMMA] * 4)

@@ -40,7 +40,7 @@ def reference(qwen3_dir):
     return [o.token_ids for o in run(engine_for(qwen3_dir))]
 
 
-@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp", "ngram"])
+@pytest.mark.parametrize("kind", ["dspark", "dflash", "eagle3", "mtp", "ngram", "suffix"])
 def test_greedy_identical_for_every_drafter_and_policy(qwen3_dir, reference, kind):
     for policy in POLICIES:
         engine = engine_for(qwen3_dir, kind, policy)

@@ -62,6 +62,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--sweep", type=_names, default=None,
                    help="the DSpark drafters (as listed in --drafters) to sweep (default: every one without @N)")
     o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--workload", choices=["datasets", "agent"], default="datasets",
+                   help="agent: multi-turn agent traces (--num-prompts of them) instead of the datasets")
     o.set_defaults(func=run_offline)
 
     n = sub.add_parser("online", help="closed-loop clients: throughput vs per-user speed, verification budget")
@@ -74,7 +76,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--lockstep", action="store_true",
                    help="within each run, step every config's engine in turn, each timed on its own clock "
                         "(all see the same machine at every moment; in-process only)")
-    n.add_argument("--workload", choices=["mixed", "hostile"], default="mixed")
+    n.add_argument("--workload", choices=["mixed", "hostile", "agent"], default="mixed",
+                   help="agent: multi-turn agent traces (--num-prompts of them), a table per task kind")
     n.add_argument("--datasets", type=_names, default=None)
     n.add_argument("--prompts", default=None, help="a JSONL prompts file instead of the shipped sets")
     n.add_argument("--num-prompts", type=int, default=None, help="per dataset (default 64)")
@@ -141,7 +144,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
     fields = dict(offline.QUICK) if args.quick else {}
     fields.update(_given(args, model="model", device="device", prompts_file="prompts", num_prompts="num_prompts",
-                         max_tokens="max_tokens", gamma="gamma", seed="seed"))
+                         max_tokens="max_tokens", gamma="gamma", seed="seed", workload="workload"))
     for field, arg in (("drafters", "drafters"), ("datasets", "datasets"), ("temperatures", "temperature"),
                        ("thresholds", "thresholds"), ("sweep", "sweep")):
         if getattr(args, arg) is not None:

@@ -4,7 +4,9 @@ moment its previous one finishes, so C requests are always in flight (until the 
     result = closed_loop(engine, jobs, concurrency=8, per_client=4, params=lambda i: SamplingParams(...))
     results = run_loops([ClosedLoop(plain, ...), ClosedLoop(spec, ...)])   # lockstep
 
-A `ClosedLoop` drives one `LLMEngine` with `add_request` / `step` only (no server), one
+A job that carries later turns (the `agent` workload's traces) is followed by its next turn, sent
+by the same client as soon as the turn finishes (its prompt: the context so far, the model's
+turn, the next message). A `ClosedLoop` drives one `LLMEngine` with `add_request` / `step` only (no server), one
 `advance()` (one engine step, then refills) at a time, sampling after every step the target
 KV blocks in use and the drafter's cache bytes. Its time is a `VirtualClock` that runs only
 inside `advance()`, and the engine stamps its requests (arrival, first token, finish) with
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.bench.workload import Job
+from dspark.bench.workload import Job, follow
 
 
 @dataclass
@@ -133,15 +135,18 @@ class ClosedLoop:
         for client in range(self.concurrency):
             self._send(client)
 
-    def _send(self, client: int) -> None:
-        if self.per_client is not None and self.sent[client] >= self.per_client:
-            return
-        if self.duration_s is not None and self.clock() >= self.duration_s:
-            return
-        job = self.jobs[self.counter % len(self.jobs)]
+    def _send(self, client: int, turn: Job | None = None) -> None:
+        """The client's next job, or `turn`: the next turn of the trace it is in (always sent; a
+        trace counts as one request towards per_client)."""
+        if turn is None:
+            if self.per_client is not None and self.sent[client] >= self.per_client:
+                return
+            if self.duration_s is not None and self.clock() >= self.duration_s:
+                return
+            self.sent[client] += 1
+        job = turn or self.jobs[self.counter % len(self.jobs)]
         req = self.engine.add_request(job.ids, self.params(self.counter))
         self.live[req.request_id] = (client, job)
-        self.sent[client] += 1
         self.counter += 1
 
     def _step(self) -> None:
@@ -162,7 +167,7 @@ class ClosedLoop:
             res.outputs.append({**out.stats, "dataset": job.dataset, "domain": job.domain, "client": client})
             if self.on_finish is not None:
                 self.on_finish()
-            self._send(client)
+            self._send(client, follow(job, out.token_ids, req.stop_ids))
 
 
 def run_loops(loops: Sequence[ClosedLoop], seed: int = 0) -> list[LoopResult]:

@@ -4,13 +4,16 @@ draft position (Fig. 2) and, for DSpark drafters, a confidence-threshold sweep (
     dspark bench offline --drafters dspark,dflash,eagle3,mtp,ngram --temperature 0,1
     dspark bench offline --drafters /path/to/drafter,ngram --prompts my.jsonl --num-prompts 32
     dspark bench offline --quick          # a ~1 minute smoke run (never a speed claim)
+    dspark bench offline --workload agent --drafters ngram,suffix,dspark,auto --num-prompts 4
 
 Batch size 1: every drafter decodes the same chat-templated prompts one request at a time
 (`--drafters none,...` adds plain decoding as the speed reference of the same run)
 under `static:<gamma>` (the whole block verified, as in the paper's Table 1; MTP: static:1),
 so tau measures the drafter alone. The sweep reruns the same prompts with `threshold:t`.
 A named drafter whose checkpoint is not shipped is skipped and listed in the report.
-Writes offline.json, offline.md, acceptance.png and threshold-<drafter>.png.
+`--workload agent` decodes --num-prompts multi-turn agent traces instead (agent.py: each turn
+follows the last, rows per task kind, and a table of which drafter carried each kind).
+Writes offline.json, offline.md, acceptance.png and threshold-<drafter>.png (agent: offline-agent.*).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from dspark.bench.workload import (
     drafter_kind,
     drafter_label,
     engine_config,
+    follow,
     render,
     select,
     split_drafter,
@@ -52,6 +56,7 @@ class OfflineSettings:
     thresholds: tuple[float, ...] = THRESHOLDS
     device: str | None = None
     sweep: tuple[str, ...] | None = None  # drafters (as listed) with a threshold sweep; None: every DSpark one
+    workload: str = "datasets"  # datasets | agent (num_prompts traces)
 
 
 QUICK = dict(num_prompts=2, max_tokens=32, thresholds=(0.0, 0.5, 0.9))
@@ -65,8 +70,12 @@ def decode_each(engine, jobs: Sequence[Job], temperature: float, s: OfflineSetti
     outs = []
     for i, job in enumerate(tqdm(jobs, desc=desc, disable=None, leave=False)):
         params = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, seed=s.seed + i)
-        out = engine.run_until_done([engine.add_request(job.ids, params)])[0]
-        outs.append({**out.stats, "dataset": job.dataset, "domain": job.domain})
+        turn: Job | None = job
+        while turn is not None:  # a trace's later turns follow its first (agent workload)
+            req = engine.add_request(turn.ids, params)
+            out = engine.run_until_done([req])[0]
+            outs.append({**out.stats, "dataset": turn.dataset, "domain": turn.domain})
+            turn = follow(turn, out.token_ids, req.stop_ids)
     return outs
 
 
@@ -94,9 +103,16 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
 
     path = resolve_model_path(s.model)
     tok, context = TextTokenizer.from_dir(path), read_config(path).max_position_embeddings
-    jobs = render(tok, select(list(s.datasets), s.prompts_file, s.num_prompts), context - s.max_tokens - s.gamma - 2)
+    limit = context - s.max_tokens - s.gamma - 2
+    if s.workload == "agent":
+        from dspark.bench import agent
+
+        jobs = agent.jobs(tok, s.num_prompts, limit, s.seed)
+    else:
+        jobs = render(tok, select(list(s.datasets), s.prompts_file, s.num_prompts), limit)
     cfg = engine_config(path, 1, max(len(j.ids) for j in jobs) + s.max_tokens + s.gamma + 2, s.device)
     rows: list[dict] = []
+    phases: list[dict] = []  # agent workload: per drafter, temperature and task kind
     sweeps: dict[str, list[dict]] = {}
     skipped = []
     for name in s.drafters:
@@ -105,6 +121,7 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
             for t in s.temperatures:
                 outs = decode_each(engine, jobs, t, s, f"none T={t}")
                 rows += dataset_rows(outs, drafter="none", kind="none", policy="none", gamma=0, temperature=t)
+                phases += agent_phases(s, outs, drafter="none", temperature=t)
             continue
         native = drafter_gamma(name, path)
         if native is None:
@@ -117,6 +134,7 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
         for t in s.temperatures:
             outs = decode_each(engine, jobs, t, s, f"{label} T={t}")
             rows += dataset_rows(outs, drafter=label, kind=kind, policy=f"static:{g}", gamma=g, temperature=t)
+            phases += agent_phases(s, outs, drafter=label, temperature=t)
         if kind == "dspark" and s.thresholds and (name in s.sweep if s.sweep is not None else not vocab):
             sweeps[label] = []
             for th in tqdm(s.thresholds, desc=f"{label} threshold sweep", disable=None):
@@ -124,17 +142,32 @@ def run(s: OfflineSettings, out: str | Path) -> dict:
                 outs = decode_each(engine, jobs, s.temperatures[0], s, f"threshold {th}")
                 sweeps[label] += dataset_rows(outs, drafter=label, threshold=th, gamma=g, temperature=s.temperatures[0])
     payload = {"benchmark": "offline", "model": str(path), "settings": asdict(s), "skipped_drafters": skipped,
-               "rows": rows, "threshold_sweep": [r for v in sweeps.values() for r in v]}
+               "rows": rows, "threshold_sweep": [r for v in sweeps.values() for r in v],
+               **({"phases": phases} if s.workload == "agent" else {})}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    figures = figures_for(rows, sweeps, s.temperatures[0], out)
+    name = "offline" if s.workload == "datasets" else f"offline-{s.workload}"
+    figures = figures_for(rows, sweeps, s.temperatures[0], out, "" if s.workload == "datasets" else f"-{s.workload}")
     md = markdown(rows, sweeps, s, path, skipped, figures)
-    report.write(out, "offline", payload, md)
+    if phases:
+        from dspark.bench import agent
+
+        md += ("\n## Per task kind (agent traces, batch size 1): which drafter carried it\n\n"
+               + agent.markdown(phases, ["drafter", "temperature"]))
+    report.write(out, name, payload, md)
     print(md)
     return payload
 
 
-def figures_for(rows, sweeps, temperature: float, out: Path) -> list[str]:
+def agent_phases(s: OfflineSettings, outs: Sequence[dict], **tags) -> list[dict]:
+    if s.workload != "agent":
+        return []
+    from dspark.bench import agent
+
+    return agent.phases(outs, **tags)
+
+
+def figures_for(rows, sweeps, temperature: float, out: Path, suffix: str = "") -> list[str]:
     first = [r for r in rows if r["temperature"] == temperature and r["kind"] != "none"]
     curves: dict[str, dict[str, list]] = {}
     for r in first:
@@ -142,11 +175,11 @@ def figures_for(rows, sweeps, temperature: float, out: Path) -> list[str]:
     names = []
     if curves:
         plots.acceptance_curves({d: {k: mean_curves(v) for k, v in by.items()} for d, by in curves.items()},
-                                out / "acceptance.png")
-        names.append("acceptance.png")
+                                out / f"acceptance{suffix}.png")
+        names.append(f"acceptance{suffix}.png")
     for label, sweep in sweeps.items():
-        plots.threshold_sweep(sweep_by_domain(sweep), out / f"threshold-{label}.png")
-        names.append(f"threshold-{label}.png")
+        plots.threshold_sweep(sweep_by_domain(sweep), out / f"threshold-{label}{suffix}.png")
+        names.append(f"threshold-{label}{suffix}.png")
     return names
 
 
@@ -183,9 +216,11 @@ def _f(v):
 
 
 def markdown(rows, sweeps, s: OfflineSettings, path: Path, skipped: list[str], figures: list[str]) -> str:
+    load = (f"{s.num_prompts} prompts per dataset (chat template)" if s.workload == "datasets" else
+            f"{s.num_prompts} multi-turn agent traces (each turn a request; rows per task kind)")
     md = [f"# Offline acceptance: model `{path.name}` (Table 1, Fig. 2, Fig. 5 analogs)\n",
-          f"Batch size 1, policy `static:γ` (γ = {s.gamma}; MTP: 1), {s.num_prompts} prompts per dataset "
-          f"(chat template), max {s.max_tokens} new tokens, seed {s.seed}. τ = emitted tokens per decode "
+          f"Batch size 1, policy `static:γ` (γ = {s.gamma}; MTP: 1), {load}, "
+          f"max {s.max_tokens} new tokens, seed {s.seed}. τ = emitted tokens per decode "
           "round, bonus/recovered token included (the prefill round left out); per-domain columns are "
           "macro averages over that domain's datasets.\n"]
     if skipped:

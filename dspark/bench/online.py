@@ -8,6 +8,7 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
     dspark bench online --lockstep --configs "none;none;dspark:dspark"       # none#2: the run's own noise
     dspark bench online --url http://127.0.0.1:8000,http://127.0.0.1:8001  # running servers
     dspark bench online --quick                                              # ~1 minute smoke run
+    dspark bench online --workload agent --configs "ngram:dspark;suffix:dspark;auto:dspark" --num-prompts 8
 
 A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
 engine/factory.py and warmed up; then, at every C in turn, each engine is driven by C
@@ -15,8 +16,9 @@ closed-loop clients (loop.py), the configurations interleaved in an order that r
 so machine drift does not land on one configuration; with `--lockstep` the configurations'
 engines instead take one step each in turn within every run, each timed on its own clock, so
 a noisy neighbour slows all of them alike (loop.py). Workloads: `mixed` (math, code and chat
-prompts interleaved, chat-templated) and `hostile` (random token strings: drafts are almost
-always rejected). With `--url` every URL is one configuration (its /v1/models card names
+prompts interleaved, chat-templated), `hostile` (random token strings: drafts are almost
+always rejected) and `agent` (multi-turn agent traces, --num-prompts of them, agent.py; the
+report adds τ, per-user tok/s and the drafter that carried each task kind). With `--url` every URL is one configuration (its /v1/models card names
 drafter and policy) and the load goes over HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
 run: online-hostile.json, ...), with ratios against `none` (or the first configuration)
 measured in the same run.
@@ -59,10 +61,10 @@ class OnlineSettings:
     duration_s: float | None = None  # instead of requests_per_client: send until this many seconds
     repeats: int = 1  # runs per configuration and concurrency (rotating order), merged into one row
     lockstep: bool = False  # step every configuration's engine in turn within one run (loop.py) instead of whole runs in turn
-    workload: str = "mixed"  # mixed | hostile
+    workload: str = "mixed"  # mixed | hostile | agent
     datasets: tuple[str, ...] = DATASETS
     prompts_file: str | None = None
-    num_prompts: int = 64  # per dataset (mixed) or in all (hostile)
+    num_prompts: int = 64  # per dataset (mixed), in all (hostile), traces (agent)
     hostile_prompt_tokens: int = 128
     max_tokens: int = 128
     temperature: float = 0.0
@@ -88,10 +90,35 @@ def quick_configs(model: str | None) -> str:
 def jobs_for(s: OnlineSettings, tok, context: int) -> list[Job]:
     if s.workload == "hostile":
         return hostile(tok, s.num_prompts, min(s.hostile_prompt_tokens, context // 2), s.seed)
-    if s.workload != "mixed":
-        raise ValueError(f"unknown workload {s.workload!r}; expected mixed or hostile")
     limit = context - s.max_tokens - (s.gamma or 7) - 2
+    if s.workload == "agent":
+        from dspark.bench import agent
+
+        return agent.jobs(tok, agent_traces(s), limit, s.seed)
+    if s.workload != "mixed":
+        raise ValueError(f"unknown workload {s.workload!r}; expected mixed, hostile or agent")
     return interleave(render(tok, select(list(s.datasets), s.prompts_file, s.num_prompts), limit))
+
+
+def agent_traces(s: OnlineSettings) -> int:
+    """Traces the agent workload needs: fresh ones for every concurrency level (a trace run again
+    would find its own earlier turns in the suffix drafter's store of finished requests) and two
+    for the warm-up; with --duration, num_prompts of them, reused."""
+    if s.duration_s:
+        return s.num_prompts
+    return sum(c * (s.requests_per_client or 1) for c in s.concurrency) + 2
+
+
+def level_jobs(s: OnlineSettings, jobs: list[Job]) -> tuple[list[Job], dict[int, list[Job]]]:
+    """(warm-up jobs, the jobs of each concurrency level): the same list everywhere, except the
+    agent workload's own traces per level (agent_traces)."""
+    if s.workload != "agent" or s.duration_s or len(jobs) < agent_traces(s):
+        return jobs, {c: jobs for c in s.concurrency}
+    levels, start = {}, 0
+    for c in s.concurrency:
+        n = c * (s.requests_per_client or 1)
+        levels[c], start = jobs[start : start + n], start + n
+    return jobs[start:], levels
 
 
 def per_client(s: OnlineSettings) -> int | None:
@@ -133,6 +160,10 @@ def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs:
             "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
             "kv_pool_blocks": engine.kv.pool.num_blocks, "peak_kv_mib": res.peak_kv_blocks * kv_block_mib,
             "drafted_step_fraction": drafted if engine.drafter else None}))
+        if s.workload == "agent":
+            from dspark.bench import agent
+
+            rows[-1]["phases"] = agent.phases(res.outputs, config=sp.label, concurrency=c)
     return rows
 
 
@@ -149,6 +180,8 @@ def merge_runs(runs: list[dict]) -> dict:
         values = [r[key] for r in runs]
         if key in COUNTS:
             row[key] = sum(values)
+        elif key == "phases":  # one line per run and task kind
+            row[key] = [p for v in values for p in v]
         elif key.startswith("peak_") and all(v is not None for v in values):
             row[key] = max(values)
         elif isinstance(value, float) and all(isinstance(v, int | float) for v in values):
@@ -185,7 +218,8 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
     skipped = [label for label, g in gammas.items() if g is None]
     for label in skipped:
         print(f"skipping config {label!r}: no drafter checkpoint for this model")
-    longest = max(len(j.ids) for j in jobs) + s.max_tokens + max(g or 0 for g in gammas.values()) + 2
+    longest = max(max(len(j.ids), j.limit) for j in jobs) + s.max_tokens + max(g or 0 for g in gammas.values()) + 2
+    warm, levels = level_jobs(s, jobs)
     cfg = engine_config(path, max(s.concurrency), longest, s.device)
     loaded = load_model(path, cfg.device, cfg.dtype)  # one copy of the target's weights, as one deployment has
     engines = {}
@@ -197,7 +231,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         drafter, vocab = split_drafter(sp.drafter) if sp.drafter else (None, 0)
         engine = build_engine(path, drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded,
                               draft_vocab=vocab)
-        warm_up(engine, jobs, s, params)
+        warm_up(engine, warm, s, params)
         engines[sp.label] = (sp, engine)
     rows = []
     labels = list(engines)
@@ -208,7 +242,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
             shift = (level + rep) % len(labels) if labels else 0
             turn = labels[shift:] + labels[:shift]  # the order rotates, so drift hits every config alike
             for group in [turn] if s.lockstep else [[label] for label in turn]:
-                for row in measure(s, [engines[label] for label in group], c, jobs, params):
+                for row in measure(s, [engines[label] for label in group], c, levels[c], params):
                     runs[row["config"]].append(row)
         rows += [merge_runs(r) for r in runs.values()]
         rows.sort(key=lambda r: (order[r["config"]], s.concurrency.index(r["concurrency"])))
@@ -244,6 +278,8 @@ def run(s: OnlineSettings, out: str | Path) -> dict:
 
     if s.lockstep and s.url:
         raise ValueError("--lockstep steps in-process engines; it cannot pace servers given with --url")
+    if s.workload == "agent" and s.url:
+        raise ValueError("the agent workload's later turns follow in-process requests; it cannot drive --url servers")
     path = resolve_model_path(s.model)
     jobs = jobs_for(s, TextTokenizer.from_dir(path), read_config(path).max_position_embeddings)
     if s.url:
@@ -267,10 +303,17 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
     if rows:
         plots.frontier(rows, out / f"frontier{suffix}.png", f"{path.name}, {s.workload} workload")
         plots.budget(rows, out / f"budget{suffix}.png")
+    phases = [p for r in rows for p in r.get("phases", [])]
+    rows = [{k: v for k, v in r.items() if k != "phases"} for r in rows]
     payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "complete": complete,
                "reference": reference, "skipped_configs": skipped, "rows": rows, "ratios": ratios,
-               "frontier": summary}
+               "frontier": summary, **({"phases": phases} if s.workload == "agent" else {})}
     md = markdown(rows, ratios, summary, s, path, skipped, suffix)
+    if phases:
+        from dspark.bench import agent
+
+        md += ("\n## Per task kind (agent traces; τ and per-user tok/s of that kind's turns, and the share of "
+               "accepted draft tokens each drafter proposed)\n\n" + agent.markdown(phases, ["config", "concurrency"]))
     if not complete:
         md = "**Partial: the run was still going (or was stopped) after these levels.**\n\n" + md
     report.write(out, f"online{suffix}", payload, md)

@@ -5,7 +5,8 @@ Shared by `dspark bench offline | online | peers` (not a command itself):
 - `render(tokenizer, prompts, limit)`: the chat template applied, encoded, the last `limit`
   token ids kept (so the generation prompt survives truncation);
 - `interleave` (the `mixed` workload: math, code and chat in the same batch) and
-  `hostile` (random token strings, on which almost every draft token is rejected);
+  `hostile` (random token strings, on which almost every draft token is rejected); the `agent`
+  workload's multi-turn traces are in agent.py, a job carrying its later turns (`follow`);
 - `Spec` / `parse_configs`: `none` or `drafter:policy`, e.g. `dspark:dspark-async`; a drafter
   name may end in `@N` to draft from the N most frequent tokens (`dspark@2048:dspark`);
 - `drafter_gamma`: the block size a named drafter would load with (None when missing).
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,11 +25,29 @@ from dspark.bench.prompts import DATASETS, Prompt, load_dataset, read_prompts
 
 @dataclass(frozen=True)
 class Job:
-    """One prompt ready for the engine."""
+    """One prompt ready for the engine; a multi-turn trace also carries its later turns."""
 
     ids: list[int]
     dataset: str
     domain: str
+    turns: tuple[tuple[str, tuple[int, ...]], ...] = ()  # (domain, token ids of the next message) per later turn
+    limit: int = 0  # the longest prompt a later turn may have
+
+
+def follow(job: Job, output: Sequence[int], stop_ids: Sequence[int]) -> Job | None:
+    """A trace's next turn: this turn's prompt, the model's turn (its stop token dropped: the next
+    message closes the turn) and the next message; None after the last turn or when that prompt
+    would be longer than the job's limit (the context must still hold the next turn's tokens)."""
+    if not job.turns:
+        return None
+    body = list(output)
+    if body and body[-1] in stop_ids:
+        body.pop()
+    domain, nxt = job.turns[0]
+    ids = [*job.ids, *body, *nxt]
+    if len(ids) > job.limit:
+        return None
+    return Job(ids, job.dataset, domain, job.turns[1:], job.limit)
 
 
 def select(datasets: list[str] | None, prompts_file: str | None, n: int) -> list[Prompt]:
@@ -125,19 +145,25 @@ def drafter_config_path(name: str, model_dir: Path) -> Path | None:
 
 def drafter_gamma(name: str, model_dir: Path) -> int | None:
     """The drafter's own block size, without loading its weights; None when it is missing."""
-    from dspark.drafters.registry import GAMMA
+    from dspark.drafters.registry import GAMMA, WEIGHT_FREE, routed_parts
 
     name = split_drafter(name)[0]
-    if name == "ngram":
-        return GAMMA["ngram"]
+    if name in WEIGHT_FREE:
+        return GAMMA[name]
+    if routed_parts(name) is not None:
+        return drafter_gamma(routed_parts(name), model_dir)  # type: ignore[arg-type]
     cfg = drafter_config_path(name, model_dir)
     return None if cfg is None else int(json.loads(cfg.read_text()).get("gamma", 7))
 
 
 def drafter_kind(name: str, model_dir: Path) -> str:
+    from dspark.drafters.registry import WEIGHT_FREE, routed_parts
+
     name = split_drafter(name)[0]
-    if name == "ngram":
-        return "ngram"
+    if name in WEIGHT_FREE:
+        return name
+    if routed_parts(name) is not None:
+        return "auto"
     cfg = drafter_config_path(name, model_dir)
     return name if cfg is None else str(json.loads(cfg.read_text()).get("kind", name))
 

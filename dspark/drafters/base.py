@@ -25,7 +25,7 @@ import torch
 
 from dspark.sampling import SamplingRows
 
-KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram")
+KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram", "suffix", "auto")
 HEADS = ("markov", "gated", "rnn", "none")
 LAYER_TYPES = ("qwen3", "llama")
 
@@ -62,6 +62,10 @@ class DrafterConfig:
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
     split_entry: bool = False  # EAGLE-3 as published: attention reads [norm(emb); norm(g)], g the residual
     norm_before_residual: bool = False  # EAGLE-3 (split_entry): the residual is norm(g), not g
+    suffix_depth: int = 12  # suffix drafter: longest n-gram matched
+    suffix_store: int = 16384  # tokens of finished requests it also matches against (0: none)
+    suffix_floor: float = 0.05  # a block ends where its survival product falls below this
+    suffix_alpha: float = 2.0  # ... or past this many tokens per matched token
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,6 +117,8 @@ class DraftBlock:
     confidence: torch.Tensor | None = None  # [R, gamma] in (0, 1): P(x_k accepted | prefix accepted)
     num_valid: list[int] | None = None  # per request, how many positions are real proposals
     confidence_logits: torch.Tensor | None = None  # [R, gamma] raw head logits (before STS)
+    sources: list[str] | None = None  # per request, the drafter that proposed it (None: this drafter's kind)
+    num_drafted: int | None = None  # requests the profiled (costly) drafter ran for (None: all of them)
 
 
 @dataclass(frozen=True)
@@ -151,8 +157,16 @@ class Drafter(ABC):
     def has_confidence(self) -> bool:
         return False
 
+    @property
+    def measured(self) -> Drafter:
+        """The drafter whose proposals the step profile times (a router: its neural part)."""
+        return self
+
     def bind(self, target: torch.nn.Module, num_blocks: int, block_size: int) -> None:  # noqa: B027
         """Attach the (frozen) target and allocate caches; weight-free drafters need nothing."""
+
+    def set_profile(self, profile) -> None:  # noqa: B027
+        """The engine's step profile, for drafters that weigh costs themselves (the router)."""
 
     @abstractmethod
     def extend(self, rows: Sequence[ContextRow]) -> None: ...

@@ -1,9 +1,10 @@
-"""Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|PATH` to a drafter instance.
+"""Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|suffix|auto|NAME+suffix|PATH` to a drafter.
 
 A name picks the checkpoint shipped for the model (`assets/<model>/drafters/<kind>/`);
-`ngram` needs no weights; a path is a directory with `config.json` (+ `model.safetensors`):
-dspark's own format or a published one (DeepSpec, speculators, DFlash, EAGLE-3), detected by
-`dspark/drafters/formats/`.
+`ngram` and `suffix` need no weights; `auto` (= `dspark+suffix`) and `NAME+suffix` route each
+request per step between the neural drafter NAME and the suffix drafter (`drafters/route.py`);
+a path is a directory with `config.json` (+ `model.safetensors`): dspark's own format or a
+published one (DeepSpec, speculators, DFlash, EAGLE-3), detected by `dspark/drafters/formats/`.
 `new_drafter` builds an untrained one sized for a target (training, tests).
 """
 
@@ -14,7 +15,8 @@ from pathlib import Path
 from dspark.config import ModelConfig
 from dspark.drafters.base import KINDS, Drafter, DrafterConfig
 
-GAMMA = {"dspark": 7, "dflash": 7, "eagle3": 7, "mtp": 1, "ngram": 7}
+GAMMA = {"dspark": 7, "dflash": 7, "eagle3": 7, "mtp": 1, "ngram": 7, "suffix": 7}
+WEIGHT_FREE = ("ngram", "suffix")
 
 
 def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
@@ -38,9 +40,24 @@ def drafter_class(kind: str, split_entry: bool = False):
         from dspark.drafters.eagle3 import ShiftedDrafter
 
         return ShiftedDrafter
+    if kind == "suffix":
+        from dspark.drafters.suffix import SuffixDrafter
+
+        return SuffixDrafter
     from dspark.drafters.ngram import NgramDrafter
 
     return NgramDrafter
+
+
+def routed_parts(name: str) -> str | None:
+    """The neural drafter a routed name pairs with the suffix drafter: 'auto' -> 'dspark',
+    'dspark+suffix' (or 'suffix+dspark', a path in place of dspark) -> 'dspark'; None otherwise."""
+    if name == "auto":
+        return "dspark"
+    parts = name.split("+")
+    if len(parts) == 2 and "suffix" in parts and parts[0] != parts[1]:
+        return parts[1] if parts[0] == "suffix" else parts[0]
+    return None
 
 
 def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrides) -> DrafterConfig:
@@ -58,7 +75,7 @@ def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrid
         base.update(num_layers=1, head="none", confidence=False)
     elif kind == "mtp":
         base.update(num_layers=1, head="none", confidence=False, taps=(target.num_hidden_layers - 1,))
-    elif kind == "ngram":
+    elif kind in WEIGHT_FREE:
         base.update(num_layers=0, head="none", confidence=False, taps=())
     base.update(overrides)
     return DrafterConfig(**base)
@@ -70,11 +87,19 @@ def new_drafter(config: DrafterConfig) -> Drafter:
 
 def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig | None = None,
                  mask_token_id: int = 0) -> Drafter:
-    """A shipped name (for the model at model_dir), `ngram`, or a checkpoint directory."""
-    if name == "ngram":
+    """A shipped name (for the model at model_dir), `ngram`, `suffix`, a routed pair, or a checkpoint directory."""
+    if name in WEIGHT_FREE:
         if target is None:
-            raise ValueError("the ngram drafter needs the target's config")
-        return new_drafter(new_config("ngram", target, mask_token_id))
+            raise ValueError(f"the {name} drafter needs the target's config")
+        return new_drafter(new_config(name, target, mask_token_id))
+    neural = routed_parts(name)
+    if neural is not None:
+        from dspark.drafters.route import RoutedDrafter
+
+        inner = load_drafter(neural, model_dir, target, mask_token_id)
+        copy = load_drafter("suffix", model_dir, target, mask_token_id)
+        copy.config = copy.config.replace(gamma=inner.gamma)
+        return RoutedDrafter(inner, copy)  # type: ignore[arg-type]
     path = Path(name).expanduser()
     if name in KINDS:
         shipped = model_dir.parent / "drafters" / name if model_dir is not None else None

@@ -215,6 +215,10 @@ def record_speculation(req: Request, result: StepResult) -> None:
     ell, n = result.verified.get(rid, 0), result.accepted.get(rid, 0)
     st.verified_tokens += ell
     st.accepted_tokens += n
+    source = result.sources.get(rid)
+    if source is not None:
+        st.draft_tokens_by[source] = st.draft_tokens_by.get(source, 0) + result.drafted.get(rid, 0)
+        st.accepted_tokens_by[source] = st.accepted_tokens_by.get(source, 0) + n
     if ell:
         width = max(ell, len(st.verified_per_position))
         st.verified_per_position += [0] * (width - len(st.verified_per_position))

@@ -55,7 +55,7 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
         drafter = default_drafter  # e.g. `--policy static:7` on dspark-tiny uses its shipped drafter
     policy = policy or ("dspark" if drafter else "none")
     if policy != "none" and not drafter:
-        raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|PATH)")
+        raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|suffix|auto|PATH)")
     net, tok = loaded if loaded is not None else load_model(path, cfg.device, cfg.dtype)
     if net.device.type != torch.device(cfg.device).type or net.dtype != cfg.torch_dtype:
         raise ValueError(f"the loaded target is {net.device}/{net.dtype}, the engine config asks for "

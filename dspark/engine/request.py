@@ -43,6 +43,8 @@ class RequestStats:
     accepted_per_position: list[int] = field(default_factory=list)  # accepted at draft position k
     verified_per_position: list[int] = field(default_factory=list)  # tried at k (verified, prefix accepted)
     preemptions: int = 0
+    draft_tokens_by: dict[str, int] = field(default_factory=dict)  # draft tokens per proposing drafter
+    accepted_tokens_by: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per proposing drafter
     step_seconds: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept
 
     @property
@@ -72,6 +74,8 @@ class RequestStats:
             "verified_tokens": self.verified_tokens,
             "accepted_tokens": self.accepted_tokens,
             "preemptions": self.preemptions,
+            "draft_tokens_by": dict(self.draft_tokens_by),
+            "accepted_tokens_by": dict(self.accepted_tokens_by),
             "accepted_per_position": list(self.accepted_per_position),
             "verified_per_position": list(self.verified_per_position),
             "step_seconds": {k: round(v, 6) for k, v in self.step_seconds.items()},

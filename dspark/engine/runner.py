@@ -35,6 +35,7 @@ class StepResult:
     drafted: dict[str, int] = field(default_factory=dict)  # draft tokens proposed per request
     verified: dict[str, int] = field(default_factory=dict)  # l_r per request
     accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per request
+    sources: dict[str, str] = field(default_factory=dict)  # the drafter that proposed each request's block
     times: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept seconds
 
 

@@ -37,7 +37,7 @@ def synthetic_context(engine, ids: list[str], length: int) -> list[ContextRow]:
 
 def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepProfile:
     runner = engine.runner
-    base, drafter = runner.base, runner.drafter
+    base, drafter = runner.base, runner.drafter.measured  # a router's profile times its neural part
     gamma, pool = drafter.gamma, engine.kv.pool
     free, bs = pool.num_free_blocks, pool.block_size
     budget = min(engine.cfg.max_num_batched_tokens, free * bs // 2)

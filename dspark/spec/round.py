@@ -61,7 +61,9 @@ class Gate:
     time (measured with the context already written) does not hold. Once open, Algorithm 1 still sizes
     the budget with the prefill tokens counted. The verdict depends on the number of requests, the
     acceptance estimates and the profile; it is cached until one of the first two changes or
-    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step.
+    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step. Behind a
+    router (`auto`), the drafter's cost is weighed for the share of requests the router has lately
+    given its costly drafter (the copy drafter costs about nothing), not for all of them.
     """
 
     def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
@@ -70,6 +72,16 @@ class Gate:
         self.probing = False
         self.open = True  # the last verdict (slots are reserved for the first step)
         self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
+        self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
+
+    def cost(self, r: float, b: int) -> float:
+        """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
+        assert self.profile is not None
+        k = r * self.draft_share  # below one request: a run for one in that fraction of the steps
+        return (self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)) + self.profile.verify(b)
+
+    def observe_share(self, drafted: int, requests: int) -> None:
+        self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
 
     @property
     def idle(self) -> bool:
@@ -156,9 +168,9 @@ class Gate:
         """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?"""
         assert self.profile is not None
         cands = uniform_candidates(self.stats.lower(self.cfg.caution), caps)
-        admitted = algorithm1(cands, num_requests, 0, self.profile.cost)
+        admitted = algorithm1(cands, num_requests, 0, self.cost)
         gain = sum(c.survival for c in cands[:admitted])
-        spec = (num_requests + gain) / self.profile.cost(num_requests, num_requests + admitted)
+        spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)
         plain = num_requests / self.profile.verify(num_requests)
         return spec > plain
 
@@ -175,9 +187,11 @@ class SpecRunner:
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
+        drafter.set_profile(profile)
 
     def set_profile(self, profile: StepProfile) -> None:
         self.profile = profile
+        self.drafter.set_profile(profile)
         if self.gate is not None:
             self.gate.profile = profile
 
@@ -230,7 +244,10 @@ class SpecRunner:
             self._verify(result, decode, block, lengths, batch, out, len(plain))
         self._commit_context(result, [*plain, *decode], batch, out)
         result.times["accept"] = time.perf_counter() - t2
-        self._observe(len(decode), batch.num_tokens, result, drafting)
+        drafted = len(decode) if block is None or block.num_drafted is None else block.num_drafted
+        if decode and self.gate is not None and block is not None and block.num_drafted is not None:
+            self.gate.observe_share(drafted, len(decode))
+        self._observe(drafted, batch.num_tokens, result, drafting)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -250,6 +267,9 @@ class SpecRunner:
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
         cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0)
+        profile, drafted = self.profile, block.num_drafted
+        if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
+            cost = lambda r, b: profile.cost(drafted, b)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -274,6 +294,7 @@ class SpecRunner:
             result.num_computed[r.request_id] = r.num_computed + 1 + n
             result.drafted[r.request_id] = g if block.num_valid is None else block.num_valid[i]
             result.verified[r.request_id], result.accepted[r.request_id] = ell, n
+            result.sources[r.request_id] = self.drafter.config.kind if block.sources is None else block.sources[i]
             if r.params.logprobs is not None:
                 emitted = upload(verdict.tokens[i], self.device)
                 result.logprobs[r.request_id] = token_logprobs(logits[offsets[i] : offsets[i] + n + 1], emitted,
@@ -320,7 +341,7 @@ class SpecRunner:
         if self.profile is None:
             return
         self.profile.observe_verify(num_tokens, result.times["verify"])
-        if drafted:
+        if drafted and num_decode:
             self.profile.observe_draft(num_decode, result.times["draft"])
 
 

@@ -1,0 +1,176 @@
+"""Per-request routing between a neural drafter and the suffix drafter (`auto`, `dspark+suffix`).
+
+Every step the suffix drafter proposes for every request first (host work, cost about 0); its
+calibrated confidences give each request's expected accepted tokens E_copy, the sum of its prefix
+survival products (the quantity Algorithm 1 ranks). The neural drafter's expectation E_neural is
+predicted per request from the survival sums of its own confidence head the last times it drafted
+for that request (untried requests: the mean over all of them), times kappa: the draft tokens the
+requests then really committed over the survival sums that promised them, over the neural
+drafter's recent blocks (a head calibrated on other traffic can promise tokens that never come;
+a block's committed prefix is its accepted tokens, as a rejected token is never the recovered
+one). Requests are then ordered by
+E_neural - E_copy, and the first k of them go to the neural drafter for the k that maximises expected
+tokens per second of the step, (R + sum of E) / (draft(k) + verify(B)) from the step profile (the
+neural drafter's proposal for k requests; the copy drafter's cost taken as 0). The
+neural drafter then runs for those requests alone; its context features wait here until a
+request is routed to it, so copy-served requests cost it nothing.
+
+The choice reads only the deterministic copy proposal and earlier steps, never this step's
+sampled neural tokens, and each request's block is verified against the distribution it was
+drawn from, so the output distribution is the target's (tests/test_route.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput
+from dspark.drafters.suffix import SuffixDrafter
+from dspark.sampling import SamplingRows
+from dspark.spec.profile import StepProfile
+
+
+def expected_tokens(conf: torch.Tensor, valid: Sequence[int]) -> list[float]:
+    """Per request, the sum of prefix survival products over its valid positions."""
+    surv = torch.cumprod(conf.double().cpu(), dim=1).tolist()
+    return [sum(s[:v]) for s, v in zip(surv, valid, strict=True)]
+
+
+def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile | None, other: int = 0) -> list[int]:
+    """Indices of the requests the neural drafter should draft for (see the module docstring)."""
+    order = [r for r in sorted(range(len(copy)), key=lambda r: copy[r] - neural[r]) if neural[r] > copy[r]]
+    if profile is None:  # no costs known: the larger expectation wins
+        return sorted(order)
+    tokens = len(copy) + sum(copy)
+    batch = len(copy) + other + sum(copy)
+    best, best_k = tokens / profile.cost(0, round(batch)), 0
+    for k, r in enumerate(order, 1):
+        gain = neural[r] - copy[r]
+        tokens, batch = tokens + gain, batch + gain
+        theta = tokens / profile.cost(k, round(batch))
+        if theta > best:  # every prefix is weighed (no early stop: nothing here was sampled this step), so
+            best, best_k = theta, k  # a fixed cost of starting the neural drafter can pay off over many requests
+    return sorted(order[:best_k])
+
+
+class RoutedDrafter(Drafter):
+    def __init__(self, neural: Drafter, copy: SuffixDrafter, smoothing: float = 0.5) -> None:
+        if not neural.has_confidence:
+            raise ValueError(f"routing needs the neural drafter's confidences; {neural.config.kind} has no head")
+        self.neural, self.copy, self.smoothing = neural, copy, smoothing
+        self._config = neural.config.replace(kind="auto")
+        self.waiting: dict[str, list[ContextRow]] = {}  # context the neural drafter has not received
+        self.expect: dict[str, float] = {}  # per request: smoothed survival sums of the neural drafter
+        self.prior = neural.gamma / 2  # for requests it never drafted for (updated by all of them)
+        self.blocks: dict[str, tuple[int, list[int], float]] = {}  # last neural block: (position of x_1, tokens, sum)
+        self.kept, self.promised = 0.0, 0.0  # decayed sums behind kappa
+        self.profile: StepProfile | None = None
+
+    @property
+    def config(self) -> DrafterConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: DrafterConfig) -> None:  # build_engine's --gamma reaches both drafters
+        self.neural.config = self.neural.config.replace(gamma=value.gamma)
+        self.copy.config = self.copy.config.replace(gamma=value.gamma)
+        self._config = self.neural.config.replace(kind="auto")
+
+    @property
+    def has_confidence(self) -> bool:
+        return True
+
+    @property
+    def measured(self) -> Drafter:
+        return self.neural.measured
+
+    def bind(self, target, num_blocks: int, block_size: int) -> None:
+        self.neural.bind(target, num_blocks, block_size)
+        self.copy.bind(target, num_blocks, block_size)
+
+    def set_profile(self, profile: StepProfile | None) -> None:
+        self.profile = profile
+
+    def extend(self, rows: Sequence[ContextRow]) -> None:
+        self.copy.extend(rows)
+        for r in rows:
+            if len(r.token_ids):
+                self.waiting.setdefault(r.seq_id, []).append(r)
+
+    def hand_over(self, seq_ids: Sequence[str]) -> None:
+        """The waiting context of these requests, merged into one row each, to the neural drafter."""
+        merged = []
+        for sid in seq_ids:
+            rows = self.waiting.pop(sid, [])
+            if rows:
+                feats = [r.features for r in rows]
+                merged.append(ContextRow(sid, rows[0].start, [t for r in rows for t in r.token_ids],
+                                         None if feats[0] is None else torch.cat(feats)))
+        self.neural.extend(merged)
+
+    def free(self, seq_id: str) -> None:
+        self.waiting.pop(seq_id, None)
+        self.blocks.pop(seq_id, None)
+        self.expect.pop(seq_id, None)
+        self.neural.free(seq_id)
+        self.copy.free(seq_id)
+
+    def cache_bytes_in_use(self) -> int:
+        return self.neural.cache_bytes_in_use()
+
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+        block = self.copy.propose(inputs, rows)
+        assert block.confidence is not None and block.num_valid is not None
+        copy = expected_tokens(block.confidence, block.num_valid)
+        for inp in inputs:
+            self.judge(inp)
+        neural = [self.kappa * self.expect.get(i.seq_id, self.prior) for i in inputs]
+        chosen = route(copy, neural, self.profile)
+        sources = [self.copy.config.kind] * len(inputs)
+        if chosen:
+            picked = [inputs[r] for r in chosen]
+            self.hand_over([i.seq_id for i in picked])
+            nb = self.neural.propose(picked, rows.take(chosen))
+            assert nb.confidence is not None
+            sums = expected_tokens(nb.confidence, nb.num_valid or [self.gamma] * len(picked))
+            self.learn(picked, sums)
+            for inp, toks, e in zip(picked, nb.tokens.tolist(), sums, strict=True):
+                self.blocks[inp.seq_id] = (inp.context_len + 1, toks, e)
+            index = torch.tensor(chosen, device=block.tokens.device)
+            block.tokens[index] = nb.tokens.to(block.tokens.device)
+            block.probs[index] = nb.probs.to(block.probs.device)
+            block.confidence[index] = nb.confidence.to(block.confidence.device, torch.float32)
+            for k, r in enumerate(chosen):
+                block.num_valid[r] = self.gamma if nb.num_valid is None else nb.num_valid[k]
+                sources[r] = self.neural.config.kind
+        block.sources, block.num_drafted = sources, len(chosen)
+        return block
+
+    @property
+    def kappa(self) -> float:
+        return (self.kept + 1.0) / (self.promised + 1.0)
+
+    def judge(self, inp: ProposeInput) -> None:
+        """Fold the request's last neural block into kappa: its tokens that the request committed."""
+        last = self.blocks.pop(inp.seq_id, None)
+        seq = self.copy.seqs.get(inp.seq_id)
+        if last is None or seq is None:
+            return
+        start, tokens, promised = last
+        kept = 0
+        for k, tok in enumerate(tokens):
+            pos = start + k
+            truth = seq.tokens[pos] if pos < len(seq.tokens) else inp.anchor if pos == len(seq.tokens) else None
+            if truth != tok:
+                break
+            kept += 1
+        self.kept, self.promised = 0.98 * self.kept + kept, 0.98 * self.promised + promised
+
+    def learn(self, inputs: Sequence[ProposeInput], sums: Sequence[float]) -> None:
+        a = self.smoothing
+        for inp, e in zip(inputs, sums, strict=True):
+            old = self.expect.get(inp.seq_id)
+            self.expect[inp.seq_id] = e if old is None else (1 - a) * old + a * e
+            self.prior = 0.9 * self.prior + 0.1 * e

@@ -1,0 +1,191 @@
+"""Routing between the DSpark drafter and the suffix drafter (`auto`): the routing rule, greedy
+identity with plain decoding, per-request counts of which drafter proposed what, and the output
+distribution through the engine with routing on (chi-square against the target's exact joint of
+three tokens, a tiny random model with an 8-token vocabulary), with a router that peeks at the
+sampled neural draft as the control the test must catch."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from dspark.config import EngineConfig
+from dspark.drafters.base import save_drafter
+from dspark.drafters.registry import load_drafter, new_config, new_drafter
+from dspark.drafters.route import RoutedDrafter, route
+from dspark.engine.engine import LLMEngine
+from dspark.models.loader import load_model
+from dspark.sampling import SamplingParams
+from dspark.spec.profile import StepProfile
+from dspark.spec.round import GateConfig
+from tests.conftest import build_tiny
+from tests.test_spec_engine import PROMPTS, engine_for, run
+
+PROFILE = StepProfile("test", tokens=[1, 64, 1024], verify_s=[1e-3, 1.2e-3, 3e-3], requests=[1, 64],
+                      draft_s=[0.1e-3, 1e-3])  # GPU-like: verifying more tokens costs little, drafting a fixed part
+CHEAP = StepProfile("cheap", tokens=[1, 64, 1024], verify_s=[1e-3, 1.2e-3, 3e-3], requests=[1, 64],
+                    draft_s=[1e-5, 1e-4])
+
+
+def routed(path, policy: str, profile: StepProfile | None = PROFILE, sure: float = 0.0,
+           store: int = 16384, cls=RoutedDrafter, **kw) -> LLMEngine:
+    """An engine routing between a random DSpark drafter (its confidence logits raised by `sure`)
+    and the suffix drafter (matching `store` tokens of finished requests)."""
+    net, tok = load_model(path)
+    torch.manual_seed(0)
+    mask = tok.token_id("<|mask|>") or 0
+    copy = new_drafter(new_config("suffix", net.config, mask, suffix_store=store))
+    drafter = cls(new_drafter(new_config("dspark", net.config, mask)), copy)
+    with torch.no_grad():
+        drafter.neural.conf.proj.bias.add_(sure)
+    cfg = EngineConfig(**{"device": "cpu", "block_size": 4, "max_num_batched_tokens": 96, **kw})
+    engine = LLMEngine(net, tok, cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))
+    if profile is not None:
+        engine.runner.set_profile(profile)
+    return engine
+
+
+def test_route_moves_requests_while_tokens_per_second_rise():
+    copy, neural = [3.0, 0.2, 0.5, 1.0], [1.0, 2.0, 1.5, 1.1]
+    assert route(copy, neural, None) == [1, 2, 3]  # no costs: the larger expectation
+    free = StepProfile("free", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 64], draft_s=[0.0, 0.0])
+    assert route(copy, neural, free) == [1, 2, 3]
+    dear = StepProfile("dear", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 64], draft_s=[10.0, 10.0])
+    assert route(copy, neural, dear) == []
+    some = StepProfile("some", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 2, 64], draft_s=[0.1, 0.5, 0.5])
+    assert route(copy, neural, some) == [1]  # the second move would cost more than its gain
+
+
+def test_auto_and_dspark_plus_suffix_load(qwen3_dir):
+    net, _ = load_model(qwen3_dir)
+    with pytest.raises(FileNotFoundError):  # the tiny test model ships no dspark drafter
+        load_drafter("auto", qwen3_dir, net.config)
+    path = qwen3_dir / "dspark-random-route"
+    torch.manual_seed(0)
+    neural = new_drafter(new_config("dspark", net.config))
+    save_drafter(neural, neural.config, path)
+    for name in (f"{path}+suffix", f"suffix+{path}"):
+        d = load_drafter(name, qwen3_dir, net.config)
+        assert isinstance(d, RoutedDrafter) and d.config.kind == "auto" and d.copy.gamma == d.neural.gamma
+    d.config = d.config.replace(gamma=3)
+    assert (d.gamma, d.neural.gamma, d.copy.gamma) == (3, 3, 3)
+    from dspark import LLM
+
+    for name in ("suffix", f"{path}+suffix"):  # what `dspark generate --drafter ...` and serve build
+        llm = LLM(str(qwen3_dir), drafter=name, policy="static:3", profile="off", device="cpu")
+        out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        assert [o.token_ids for o in out] == [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS[:2],
+                                                                       SamplingParams(temperature=0.0, max_tokens=6,
+                                                                                      ignore_eos=True))]
+        assert llm.engine.drafter.config.kind == ("suffix" if name == "suffix" else "auto")
+
+
+@pytest.mark.parametrize("policy", ["static:7", "dspark"])
+def test_greedy_identical_with_routing_and_stats_name_the_drafters(qwen3_dir, policy):
+    reference = [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS[::2])]
+    engine = routed(qwen3_dir, policy)
+    outs = run(engine, PROMPTS[::2])
+    assert [o.token_ids for o in outs] == reference
+    drafted = {k: sum(o.stats["draft_tokens_by"].get(k, 0) for o in outs) for k in ("dspark", "suffix")}
+    assert drafted["dspark"] > 0 and drafted["suffix"] > 0, drafted
+    for o in outs:
+        assert sum(o.stats["draft_tokens_by"].values()) == o.stats["draft_tokens"]
+        assert sum(o.stats["accepted_tokens_by"].values()) == o.stats["accepted_tokens"]
+    assert engine.kv.pool.num_used_blocks == 0 and engine.drafter.cache_bytes_in_use() == 0
+    assert not engine.drafter.waiting and not engine.drafter.copy.seqs
+
+
+def test_a_neural_drafter_that_promises_more_than_it_delivers_loses_its_requests(qwen3_dir):
+    """Random DSpark weights with a confident head (each position ~0.998): its blocks promise
+    nearly gamma tokens and deliver few, so kappa falls and the copy drafter takes the requests."""
+    reference = [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS)]
+    engine = routed(qwen3_dir, "static:7", profile=None, sure=6.0)
+    drafter = engine.drafter
+    early = run(engine, PROMPTS[:7])
+    late = run(engine, PROMPTS[7:])
+    assert [o.token_ids for o in early + late] == reference
+    assert drafter.kappa < 0.5 and drafter.promised > 0
+    share = [sum(o.stats["draft_tokens_by"].get("dspark", 0) for o in outs) / sum(o.stats["draft_tokens"] for o in outs)
+             for outs in (early, late)]
+    assert share[1] < share[0], share
+
+
+# ---- the output distribution through the engine ---------------------------------------------
+V, TOKENS, N = 8, 3, 3000
+PROMPT = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6]  # the suffix drafter finds matches, DSpark drafts too
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("v8"), "qwen3", seed=1, vocab_size=V)
+
+
+def exact_joint(path) -> torch.Tensor:
+    """P(t1, t2, t3 | PROMPT) [V**3] from plain decoding's own full distributions."""
+    net, tok = load_model(path)
+    engine = LLMEngine(net, tok, EngineConfig(device="cpu"))
+    prefixes = [list(p) for n in range(TOKENS) for p in itertools.product(range(V), repeat=n)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=V)
+    outs = engine.run_until_done([engine.add_request(PROMPT + p, params) for p in prefixes])
+    dist = {}
+    for p, o in zip(prefixes, outs, strict=True):
+        row = torch.zeros(V, dtype=torch.float64)
+        for t, lp in o.logprobs[0]["top"]:
+            row[t] = float(torch.tensor(lp, dtype=torch.float64).exp())
+        dist[tuple(p)] = row / row.sum()
+    return torch.tensor([dist[()][a] * dist[(a,)][b] * dist[(a, b)][c]
+                         for a, b, c in itertools.product(range(V), repeat=TOKENS)])
+
+
+def sampled_joint(engine: LLMEngine) -> tuple[torch.Tensor, dict]:
+    counts, by = torch.zeros(V**TOKENS, dtype=torch.float64), {}
+    for start in range(0, N, 500):
+        reqs = [engine.add_request(PROMPT, SamplingParams(temperature=1.0, max_tokens=TOKENS, seed=i, ignore_eos=True))
+                for i in range(start, min(N, start + 500))]
+        for o in engine.run_until_done(reqs):
+            a, b, c = o.token_ids
+            counts[a * V * V + b * V + c] += 1
+            for k, n in o.stats["draft_tokens_by"].items():
+                by[k] = by.get(k, 0) + n
+    return counts, by
+
+
+def pvalue(observed: torch.Tensor, p: torch.Tensor) -> float:
+    expected = p * observed.sum()
+    keep = expected > 0
+    stat = float(((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+    return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2.0), torch.tensor(stat / 2.0)))
+
+
+class Peeking(RoutedDrafter):
+    """A wrong router: it lets the neural drafter draft for everyone, then keeps the neural block
+    only where its sampled first token is even (the choice depends on the draft itself)."""
+
+    def propose(self, inputs, rows):
+        block = self.copy.propose(inputs, rows)
+        self.hand_over([i.seq_id for i in inputs])
+        nb = self.neural.propose(inputs, rows)
+        keep = [r for r in range(len(inputs)) if int(nb.tokens[r, 0]) % 2 == 0]
+        block.sources = [self.copy.config.kind] * len(inputs)
+        for r in keep:
+            block.tokens[r], block.probs[r], block.confidence[r] = nb.tokens[r], nb.probs[r], nb.confidence[r]
+            block.num_valid[r], block.sources[r] = self.gamma, self.neural.config.kind
+        return block
+
+
+@pytest.mark.parametrize("policy", ["static:7", "dspark"])
+def test_sampled_output_follows_the_target_with_routing(small_vocab, policy):
+    p = exact_joint(small_vocab)
+    # without the store every request copies from its own 11 tokens only: both drafters get requests
+    engine = routed(small_vocab, policy, CHEAP, sure=-0.5, store=0, max_num_seqs=128, max_num_batched_tokens=2048)
+    counts, by = sampled_joint(engine)
+    assert min(by.get("dspark", 0), by.get("suffix", 0)) > 0.05 * sum(by.values()), by
+    assert pvalue(counts, p) > 1e-3
+
+
+def test_a_router_that_peeks_at_the_draft_is_caught(small_vocab):
+    p = exact_joint(small_vocab)
+    counts, _ = sampled_joint(routed(small_vocab, "static:7", cls=Peeking, max_num_seqs=128, max_num_batched_tokens=2048))
+    assert pvalue(counts, p) < 1e-6

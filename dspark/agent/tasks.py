@@ -70,14 +70,20 @@ def _fence(text: str, lang: str) -> str:
 
 # ---- code edits on standard-library functions -------------------------------------------------
 
-def functions(source: str, max_lines: int = 25) -> Iterator[tuple[str, str]]:
-    """(name, dedented source) of every top-level or method function of at most max_lines lines."""
+def function_nodes(source: str) -> tuple[list[str], list[ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """A module's lines and its function definitions (none when it does not parse)."""
     try:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
-        return
-    lines = source.splitlines()
-    for node in ast.walk(tree):
+        return [], []
+    nodes = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)]
+    return source.splitlines(), nodes
+
+
+def functions(source: str, max_lines: int = 25) -> Iterator[tuple[str, str]]:
+    """(name, dedented source) of every top-level or method function of at most max_lines lines."""
+    lines, nodes = function_nodes(source)
+    for node in nodes:
         if isinstance(node, ast.FunctionDef) and node.end_lineno and node.end_lineno - node.lineno < max_lines:
             first = node.decorator_list[0].lineno if node.decorator_list else node.lineno
             body = lines[first - 1 : node.end_lineno]

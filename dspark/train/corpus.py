@@ -85,14 +85,10 @@ def stdlib_files(root: str) -> list[Path]:
 
 def function_tasks(source: str, max_lines: int = 60) -> Iterator[tuple[str, str]]:
     """(prompt, response) for every documented function of reasonable size in a module."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return
-    lines = source.splitlines()
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            continue
+    from dspark.agent.tasks import function_nodes
+
+    lines, nodes = function_nodes(source)
+    for node in nodes:
         doc = ast.get_docstring(node, clean=False)
         if not doc or node.end_lineno is None or node.end_lineno - node.lineno > max_lines:
             continue

@@ -28,6 +28,7 @@ PROMPTS = {
     "math": ["What is 3 + 4?", "Natalia sold 48 clips. How many are left?", "Double 21."],
     "code": ["Write a function that adds two numbers.", "Reverse a list in Python.", "Explain def."],
     "chat": ["Explain list comprehensions.", "What is a dictionary?", "Describe the lazy dog."],
+    "agent": ["Rename f to g.", "Extract the ERROR lines.", "Call get_weather for Paris."],
 }
 
 

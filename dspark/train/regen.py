@@ -24,7 +24,7 @@ def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int 
     """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain."""
     base = Path(corpus_dir).expanduser()
     out = []
-    for domain in DOMAINS:
+    for domain in (d for d in DOMAINS if (base / f"{d}.{split}.jsonl").is_file()):  # a corpus may predate a domain
         records = [r for r in read_records(base / f"{domain}.{split}.jsonl") if "prompt" in r]
         out += [(domain, chat_text(r["prompt"])) for r in shuffled(records, seed)[:per_domain]]
     return out

@@ -67,7 +67,7 @@ def engine_system(engine, max_tokens: int):
     return lambda ids: engine.run_until_done([engine.add_request(ids, params)])[0].token_ids
 
 
-def hf_system(hf, max_tokens: int, pad_id: int, **extra):
+def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, **extra):
     """Greedy `generate()` for exactly max_tokens: like the engine's ignore_eos, EOS tokens are
     emitted where the model predicts them and decoding goes on (min_new_tokens would instead mask
     EOS and change the tokens), so the end-of-sequence id is set to one the model never emits."""
@@ -82,7 +82,8 @@ def hf_system(hf, max_tokens: int, pad_id: int, **extra):
     def generate(ids: list[int]) -> list[int]:
         x = torch.tensor([ids], device=hf.device)
         with torch.inference_mode():
-            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen)
+            y = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), generation_config=gen,
+                            **({"assistant_model": assistant} if assistant is not None else {}))
         return y[0, len(ids):].tolist()
 
     return generate
@@ -136,7 +137,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     }
     if s.assistant:
         systems[f"transformers assisted ({Path(str(s.assistant)).name})"] = hf_system(
-            hf, s.max_tokens, pad, assistant_model=assistant_model(s.assistant, tok, cfg))
+            hf, s.max_tokens, pad, assistant=assistant_model(s.assistant, tok, cfg))
     if drafter != "ngram":  # this engine's own prompt lookup, beside transformers'
         systems["dspark ngram:dspark"] = engine_system(build_engine(path, "ngram", "dspark", cfg, profile=s.profile),
                                                        s.max_tokens)

@@ -250,12 +250,22 @@ def write_checksum(module: torch.nn.Module, run_dir: str, rank: int) -> None:
     path.write_text(h.hexdigest() + "\n")
 
 
+def optimizer(params: list[torch.nn.Parameter], cfg: DrafterTrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+
+def checkpoint_state(drafter, opt, step: int, cfg: DrafterTrainConfig) -> dict:
+    """What a drafter run's checkpoint holds (resume reads model, optimizer and step)."""
+    return {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+            "config": dataclasses.asdict(cfg)}
+
+
 def train(cfg: DrafterTrainConfig) -> dict:
     rank, world = setup_distributed(train_device(cfg))
     target, tok, drafter, dcfg = build(cfg)
     pad = tok.token_id("<|endoftext|>") or 0
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = optimizer(params, cfg)
     state, step = load_state(cfg.run_dir, rank, world), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -271,8 +281,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
 
     def checkpoint() -> None:
         if rank == 0:
-            save_checkpoint(cfg.run_dir, {"model": drafter.state_dict(), "optimizer": opt.state_dict(),
-                                          "step": step, "config": dataclasses.asdict(cfg)})
+            save_checkpoint(cfg.run_dir, checkpoint_state(drafter, opt, step, cfg))
 
     while step < cfg.max_steps:
         lr = cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)

@@ -14,7 +14,6 @@ budgets by construction: the configs must agree on data, batch shape, steps and 
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +26,12 @@ from dspark.train.checkpoint import append_log, cosine_lr, load_checkpoint, save
 from dspark.train.drafter import (
     DrafterTrainConfig,
     batch_at,
+    block_targets,
     build,
+    checkpoint_state,
     evaluate,
     load_frozen_target,
+    optimizer,
     read_rows,
 )
 from dspark.train.losses import LossWeights, drafter_loss
@@ -67,8 +69,7 @@ def check_shared(cfgs: list[DrafterTrainConfig]) -> None:
 
 def member(cfg: DrafterTrainConfig, loaded) -> Member:
     _, _, drafter, dcfg = build(cfg, loaded)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    opt = optimizer([p for p in drafter.parameters() if p.requires_grad], cfg)
     state, step = load_checkpoint(cfg.run_dir), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -80,12 +81,7 @@ def member(cfg: DrafterTrainConfig, loaded) -> Member:
 def target_pass(target, batch, layers: list[int]):
     """One no-grad target pass: tapped hidden [B, T, U, d] for `layers` and the target's logits
     at every block position [B, A, g, V]."""
-    with torch.no_grad():
-        hidden, tapped = target.forward_dense(batch.tokens, layers)
-        g = batch.labels.shape[-1]
-        pos = (batch.anchors[..., None] + torch.arange(g, device=batch.anchors.device)).clamp(max=batch.tokens.shape[1] - 1)
-        h = hidden.gather(1, pos.flatten(1)[..., None].expand(-1, -1, hidden.shape[-1]))
-        logits = target.logits(h, normed=True).view(*pos.shape, -1)
+    tapped, logits = block_targets(target, batch, layers)
     return tapped.unflatten(-1, (len(layers), -1)), logits
 
 
@@ -107,8 +103,7 @@ def member_step(m: Member, batch, tapped, t_logits, layers: list[int]) -> dict[s
 
 
 def save(m: Member) -> None:
-    save_checkpoint(m.cfg.run_dir, {"model": m.drafter.state_dict(), "optimizer": m.opt.state_dict(),
-                                    "step": m.step, "config": dataclasses.asdict(m.cfg)})
+    save_checkpoint(m.cfg.run_dir, checkpoint_state(m.drafter, m.opt, m.step, m.cfg))
 
 
 def train_joint(cfgs: list[DrafterTrainConfig]) -> dict[str, dict]:

@@ -216,6 +216,13 @@ def build(cfg: CorpusConfig, out: str) -> dict[str, dict[str, int]]:
     return counts
 
 
+def corpus_domains(corpus_dir: str | Path, split: str) -> list[str]:
+    """The domains, in DOMAINS order, that a corpus directory has a `split` file for (a corpus
+    built before a domain existed, e.g. `agent`, lacks it)."""
+    base = Path(corpus_dir).expanduser()
+    return [d for d in DOMAINS if (base / f"{d}.{split}.jsonl").is_file()]
+
+
 def read_records(path: str | Path) -> list[dict]:
     with open(Path(path).expanduser(), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dspark.train.corpus import DOMAINS, chat_text, read_records
+from dspark.train.corpus import chat_text, corpus_domains, read_records
 from dspark.train.target import lm_loss
 from dspark.train.tokens import heldout_windows, load_streams
 
@@ -97,8 +97,6 @@ def heldout_losses(net, tokens_dir: str | Path, s: EvalSettings) -> dict[str, di
 def heldout_records(corpus_dir: str | Path, domain: str, engine, s: EvalSettings) -> list[dict]:
     """`num_prompts` evenly spaced chat-form held-out records whose answers fit the context."""
     path = Path(corpus_dir).expanduser() / f"{domain}.heldout.jsonl"
-    if not path.is_file():
-        return []
     budget = engine.max_model_len - s.max_tokens
     records = [r for r in read_records(path)
                if "prompt" in r and len(engine.tokenizer.encode(chat_text(r["prompt"]))) <= budget]
@@ -155,7 +153,7 @@ def evaluate(model: str | Path, corpus_dir: str | Path, tokens_dir: str | Path,
     result: dict[str, Any] = {"model": str(model), "settings": asdict(s),
                               "heldout_loss": heldout_losses(net, tokens_dir, s), "generation": {}, "samples": []}
     firsts = []
-    for domain in DOMAINS:
+    for domain in corpus_domains(corpus_dir, "heldout"):
         records = heldout_records(corpus_dir, domain, engine, s)
         if not records:
             continue

@@ -17,14 +17,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.train.corpus import DOMAINS, chat_text, read_records, shuffled
+from dspark.train.corpus import chat_text, corpus_domains, read_records, shuffled
 
 
 def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0) -> list[tuple[str, str]]:
     """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain."""
     base = Path(corpus_dir).expanduser()
     out = []
-    for domain in (d for d in DOMAINS if (base / f"{d}.{split}.jsonl").is_file()):  # a corpus may predate a domain
+    for domain in corpus_domains(base, split):
         records = [r for r in read_records(base / f"{domain}.{split}.jsonl") if "prompt" in r]
         out += [(domain, chat_text(r["prompt"])) for r in shuffled(records, seed)[:per_domain]]
     return out

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dspark.train.corpus import DOMAINS, read_records, render
+from dspark.train.corpus import DOMAINS, corpus_domains, read_records, render
 
 
 def encode_corpus(corpus_dir: str | Path, tokenizer: Tokenizer, out_dir: str | Path) -> dict[str, dict[str, int]]:
@@ -23,7 +23,7 @@ def encode_corpus(corpus_dir: str | Path, tokenizer: Tokenizer, out_dir: str | P
     corpus_dir, out = Path(corpus_dir).expanduser(), Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     counts: dict[str, dict[str, int]] = {}
-    for domain in (d for d in DOMAINS if (corpus_dir / f"{d}.train.jsonl").is_file()):
+    for domain in corpus_domains(corpus_dir, "train"):
         counts[domain] = {}
         for split in ("train", "heldout"):
             texts = [render(r) for r in read_records(corpus_dir / f"{domain}.{split}.jsonl")]

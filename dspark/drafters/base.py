@@ -192,3 +192,16 @@ def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | 
     state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
     if state:
         save_file(state, str(out / "model.safetensors"))
+
+
+def copied_block(drafts: Sequence[list[int]], anchors: Sequence[int], gamma: int, vocab: int,
+                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [R, gamma] and one-hot draft distributions [R, gamma, V] of copy drafters (n-gram,
+    suffix): each draft padded to gamma with its last token (the anchor when empty); only its
+    first len(draft) positions count (`DraftBlock.num_valid`)."""
+    from dspark.device import upload
+
+    padded = [d + [d[-1] if d else a] * (gamma - len(d)) for d, a in zip(drafts, anchors, strict=True)]
+    tokens = upload(padded, device, torch.long)
+    probs = torch.zeros(len(padded), gamma, vocab, device=device)
+    return tokens, probs.scatter_(-1, tokens[..., None], 1.0)

@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.device import upload
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_block
 from dspark.sampling import SamplingRows
 
 
@@ -80,8 +79,5 @@ class NgramDrafter(Drafter):
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
         g = self.gamma
         conts = [self._index(i.seq_id).lookup(i.tokens, g) for i in inputs]
-        padded = [c + [c[-1] if c else i.anchor] * (g - len(c)) for c, i in zip(conts, inputs, strict=True)]
-        tokens = upload(padded, self.device, torch.long)  # [R, g]
-        probs = torch.zeros(len(inputs), g, self.vocab_size, device=self.device)
-        probs.scatter_(-1, tokens[..., None], 1.0)
+        tokens, probs = copied_block(conts, [i.anchor for i in inputs], g, self.vocab_size, self.device)
         return DraftBlock(tokens, probs, None, [len(c) for c in conts])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.device import upload
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_block
 from dspark.sampling import SamplingRows
 
 Counts = dict[tuple[int, ...], dict[int, int]]
@@ -213,9 +213,6 @@ class SuffixDrafter(Drafter):
             seq.proposal = (inp.context_len + 1, tokens, buckets) if tokens else None
             drafts.append(tokens)
             confs.append(conf)
-        padded = [d + [d[-1] if d else i.anchor] * (g - len(d)) for d, i in zip(drafts, inputs, strict=True)]
-        tokens = upload(padded, self.device, torch.long)  # [R, g]
-        probs = torch.zeros(len(inputs), g, self.vocab_size, device=self.device)
-        probs.scatter_(-1, tokens[..., None], 1.0)
+        tokens, probs = copied_block(drafts, [i.anchor for i in inputs], g, self.vocab_size, self.device)
         conf = upload([c + [0.01] * (g - len(c)) for c in confs], self.device, torch.float32)
         return DraftBlock(tokens, probs, conf, [len(d) for d in drafts])

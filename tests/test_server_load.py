@@ -145,8 +145,9 @@ class LeavePoints:
         for req in list(engine.requests.values()):
             point = self.points.get(req.params.seed)
             if point is not None and len(req.output_ids) >= point and req.request_id not in self.asked:
-                self.loop.call_soon_threadsafe(self.reached[req.params.seed].set)
-                waiting = True
+                with contextlib.suppress(RuntimeError):  # the clients' loop has closed: nobody waits on it
+                    self.loop.call_soon_threadsafe(self.reached[req.params.seed].set)
+                waiting = True  # the engine still holds until the app asks to abort
         return waiting
 
 

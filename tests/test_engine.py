@@ -7,6 +7,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 
@@ -18,7 +19,7 @@ def make_engine(path, **kw) -> LLMEngine:
     net, tok = load_model(path)
     defaults = dict(device="cpu", max_num_batched_tokens=64, block_size=4)
     defaults.update(kw)
-    return LLMEngine(net, tok, EngineConfig(**defaults))
+    return assemble(net, tok, EngineConfig(**defaults))
 
 
 def naive_greedy(net, ids: list[int], n: int) -> list[int]:
@@ -133,11 +134,11 @@ def test_engines_leave_the_global_rng_alone(qwen3_dir):
     torch.manual_seed(1234)
     before = torch.random.get_rng_state()
     cfg = EngineConfig(device="cpu", seed=7)
-    engines = [LLMEngine(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
+    engines = [assemble(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
     assert torch.equal(torch.random.get_rng_state(), before)
     outs = [e.run_until_done([e.add_request(p, sampled) for p in PROMPTS]) for e in engines]
     assert torch.equal(torch.random.get_rng_state(), before)
-    again = LLMEngine(*loaded, cfg)
+    again = assemble(*loaded, cfg)
     torch.manual_seed(99)  # the caller's reseeding does not reach the engine's draws
     assert [o.token_ids for o in generate(again, PROMPTS, sampled)] == [o.token_ids for o in outs[0]]
 

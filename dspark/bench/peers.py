@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.bench import report
+from dspark import report
 from dspark.bench.prompts import Prompt, load_dataset
 from dspark.bench.summary import ratio
 from dspark.bench.workload import engine_config, render

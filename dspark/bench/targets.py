@@ -17,9 +17,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dspark.bench import report
+from dspark import report
 from dspark.bench.frontier import curve, speed_at_throughput
 from dspark.bench.summary import macro, ratio
+from dspark.report import cell
 
 SPEC = "dspark:dspark"
 
@@ -54,7 +55,7 @@ def offline_checks(res: dict | None) -> list[Check]:
     taus = {d: mean_tau(d) for d in ("dspark", "eagle3", "dflash")}
     return [Check(f"offline τ (T = 1, γ = 7, domain macro): dspark / {other}", bar,
                   ratio(taus["dspark"], taus[other]), "offline.json",
-                  f"dspark {_f(taus['dspark'])}, {other} {_f(taus[other])}")
+                  f"dspark {cell(taus['dspark'])}, {other} {cell(taus[other])}")
             for other, bar in (("eagle3", 1.25), ("dflash", 1.15))]
 
 
@@ -167,11 +168,7 @@ def run(results: str | Path) -> dict:
           "one benchmark command, configurations side by side. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
           report.table(["target", "bar", "measured", "status", "source", "detail"],
-                       [[c.target, f"≥ {c.bar}", _f(c.value), c.status, c.source, c.detail] for c in checks])]
+                       [[c.target, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
     report.write(results, "targets", payload, "".join(md))
     print("".join(md))
     return payload
-
-
-def _f(v: float | None) -> str:
-    return "–" if v is None else f"{v:.3f}"

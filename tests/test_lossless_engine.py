@@ -25,7 +25,7 @@ from dspark.config import EngineConfig, ModelConfig
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.engine.factory import assemble
 from dspark.engine.gate import GateConfig
-from dspark.models.qwen3 import CausalLM
+from dspark.models.decoder import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile

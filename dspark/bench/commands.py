@@ -118,9 +118,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--out", default=None, help="output directory (default docs/results)")
     h.set_defaults(func=run_host)
 
-    t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
+    t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
-    t.set_defaults(func=run_targets)
+    t.set_defaults(func=run_goals)
 
 
 def _given(args: argparse.Namespace, **names: str) -> dict:
@@ -198,11 +198,11 @@ def run_soak(args: argparse.Namespace) -> int:
     return 1 if data["errors"] or data["server"]["kv_blocks_used_after_load"] else 0
 
 
-def run_targets(args: argparse.Namespace) -> int:
-    from dspark.bench import targets
+def run_goals(args: argparse.Namespace) -> int:
+    from dspark.bench import goals
     from dspark.report import DEFAULT_OUT
 
-    targets.run(args.results or DEFAULT_OUT)
+    goals.run(args.results or DEFAULT_OUT)
     return 0
 
 

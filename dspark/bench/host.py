@@ -31,8 +31,8 @@ from dspark.config import EngineConfig, ModelConfig
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.engine.engine import LLMEngine
 from dspark.engine.factory import assemble
+from dspark.models.decoder import CausalLM
 from dspark.models.loader import resolve_model_path
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
 

@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from dspark.config import ModelConfig
 from dspark.drafters.base import DrafterConfig
 from dspark.models.attention import AttentionMetadata
+from dspark.models.decoder import DecoderLayer, KVLayer
 from dspark.models.layers import RMSNorm, Rotary, apply_rope
-from dspark.models.qwen3 import DecoderLayer, KVLayer
 
 
 def layer_config(cfg: DrafterConfig, num_layers: int | None = None) -> ModelConfig:

@@ -29,15 +29,15 @@ def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
 
 def drafter_class(kind: str, split_entry: bool = False):
     if kind in ("dspark", "dflash"):
-        from dspark.drafters.dspark import DSparkDrafter
+        from dspark.drafters.block import BlockDrafter
 
-        return DSparkDrafter
+        return BlockDrafter
     if kind == "eagle3" and split_entry:
         from dspark.drafters.eagle import Eagle3Drafter
 
         return Eagle3Drafter
     if kind in ("eagle3", "mtp"):
-        from dspark.drafters.eagle3 import ShiftedDrafter
+        from dspark.drafters.shifted import ShiftedDrafter
 
         return ShiftedDrafter
     if kind == "suffix":

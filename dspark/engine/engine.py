@@ -22,8 +22,8 @@ from dspark.engine.request import Request, Status
 from dspark.engine.runner import Runner, StepResult
 from dspark.engine.scheduler import ScheduledRequest, Scheduler
 from dspark.kv_cache import PagedKVCache
+from dspark.models.decoder import CausalLM
 from dspark.models.detokenize import Detokenizer
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
 

@@ -27,8 +27,8 @@ from dspark.engine.gate import GateConfig
 from dspark.engine.runner import ModelRunner, Runner
 from dspark.engine.speculative import SpeculativeRunner
 from dspark.kv_cache import PagedKVCache
+from dspark.models.decoder import CausalLM
 from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.spec.policies import NoSpeculation, make_policy
 from dspark.spec.profile import StepProfile

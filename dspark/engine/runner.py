@@ -21,7 +21,7 @@ from dspark.engine.batch import Batch, BatchRow
 from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.kv_cache import PagedKVCache
-from dspark.models.qwen3 import CausalLM, ForwardOutput
+from dspark.models.decoder import CausalLM, ForwardOutput
 from dspark.sampling import SamplingRows, draw
 from dspark.spec.policies import NoSpeculation, Policy
 from dspark.spec.profile import StepProfile

@@ -1,13 +1,13 @@
-"""`dspark bench targets`: the issue's benchmark targets checked against committed results.
+"""`dspark bench goals`: the issue's benchmark goals checked against committed results.
 
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
 compares configurations measured side by side), the same two online sweeps run with
 `--lockstep` from its `lockstep/` subdirectory, and the repeat checks in its other subdirectories
 (`REPEAT_CHECKS`: `none` and dspark:dspark only, eight runs each, for the cells where two runs
-are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
-target's measured value, its bar, met or missed, and the file it came from. Nothing is
-measured here; a missing file leaves its targets "not measured".
+are too few to tell the never-a-loss bar from noise) and writes goals.json and goals.md: each
+goal's measured value, its bar, met or missed, and the file it came from. Nothing is
+measured here; a missing file leaves its goals "not measured".
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SPEC = "dspark:dspark"
 
 @dataclass(frozen=True)
 class Check:
-    target: str
+    goal: str
     bar: float  # the measured value must be >= bar
     value: float | None  # None: not measured (file or configuration missing)
     source: str
@@ -161,14 +161,14 @@ def run(results: str | Path) -> dict:
     loaded = {name: _load(results, name) for name, _ in SECTIONS}
     checks = [c for name, fn in SECTIONS for c in fn(loaded[name])] + repeat_checks(results)
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
-    payload = {"benchmark": "targets", "results": str(results), "sources": sources,
+    payload = {"benchmark": "goals", "results": str(results), "sources": sources,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
-    md = ["# Benchmark targets (issue [B]) against the committed results\n\n",
-          "Read from the JSON files next to this one by `dspark bench targets`; each ratio comes from one run of "
+    md = ["# Benchmark goals (issue [B]) against the committed results\n\n",
+          "Read from the JSON files next to this one by `dspark bench goals`; each ratio comes from one run of "
           "one benchmark command, configurations side by side. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
-          report.table(["target", "bar", "measured", "status", "source", "detail"],
-                       [[c.target, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
-    report.write(results, "targets", payload, "".join(md))
+          report.table(["goal", "bar", "measured", "status", "source", "detail"],
+                       [[c.goal, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
+    report.write(results, "goals", payload, "".join(md))
     print("".join(md))
     return payload

@@ -22,7 +22,7 @@ from dspark.models.attention import AttentionMetadata
 from dspark.sampling import SamplingRows
 
 
-class DSparkDrafter(NeuralDrafter):
+class BlockDrafter(NeuralDrafter):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__(config)
         self.cache_layers = config.num_layers

@@ -1,4 +1,4 @@
-"""`dspark bench goals`: the issue's benchmark goals checked against committed results.
+"""`dspark bench goals`: the project's benchmark goals checked against committed results.
 
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
@@ -163,7 +163,7 @@ def run(results: str | Path) -> dict:
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
     payload = {"benchmark": "goals", "results": str(results), "sources": sources,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
-    md = ["# Benchmark goals (issue [B]) against the committed results\n\n",
+    md = ["# Benchmark goals against the committed results\n\n",
           "Read from the JSON files next to this one by `dspark bench goals`; each ratio comes from one run of "
           "one benchmark command, configurations side by side. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",

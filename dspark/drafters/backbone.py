@@ -1,4 +1,4 @@
-"""The KV-injected parallel backbone shared by DSpark and DFlash (DESIGN.md §3.1).
+"""The KV-injected parallel backbone shared by DSpark and DFlash (`docs/architecture.md`, The DSpark drafter).
 
 Context features `H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])` are never run through the
 layers: each layer projects them to keys/values (`context_kv`) that the block's queries

@@ -61,7 +61,7 @@ def routed_parts(name: str) -> str | None:
 
 
 def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrides) -> DrafterConfig:
-    """The config of an untrained `kind` drafter for `target` (DESIGN.md §5 defaults)."""
+    """The config of an untrained `kind` drafter for `target` (`docs/architecture.md`, Drafter defaults)."""
     base = dict(
         kind=kind, gamma=GAMMA[kind], hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
         num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,

@@ -8,10 +8,8 @@ context and load. Every target forward updates one smoothed machine scale (`veri
 which moves every batch shape alike, the drafter's too: a neighbour that slows the machine
 slows drafting as much as verifying. Drafted steps, rare when the gate is closed, update the
 drafter's own correction on top of it (`draft_scale`, e.g. for catching up a long pending
-context). (A scale per grid bucket learned the cost of the shapes that run all the time, plain
-steps, and kept the start-up cost of the drafted shapes that rarely run; a drafter scale of
-its own went stale the same way when the machine slowed: biased comparisons that opened the
-gate on hostile traffic.)
+context). One scale for every shape keeps the rarely run drafted shapes as current as the
+plain steps that run all the time.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
@@ -98,7 +96,7 @@ class StepProfile:
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
         raw = json.loads(text)
-        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections of profiles cached before session 6
+        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections an older cache file may hold
             raw.pop(old, None)
         return cls(**raw)
 

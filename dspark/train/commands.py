@@ -1,4 +1,4 @@
-"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target (drafters join in [D]).
+"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target.
 
     dspark train corpus --out ~/.cache/dspark/corpus
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \

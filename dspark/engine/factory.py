@@ -96,8 +96,8 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
         raise ValueError(f"the {d.config.kind} drafter has no LM head to restrict (--draft-vocab)")
     ids = top_ids(path, draft_vocab) if draft_vocab else None
     engine = assemble(net, tok, cfg, drafter=d, policy=policy, gate=gate)
-    if ids is not None:
-        d.restrict_vocab(ids)  # type: ignore[union-attr]
+    if ids is not None and isinstance(d, NeuralDrafter):
+        d.restrict_vocab(ids)
     runner = engine.runner
     if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":
         name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")

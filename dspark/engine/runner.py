@@ -64,10 +64,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list
 class Runner(Protocol):
     """What the engine asks of a runner, plain or speculative."""
 
-    gamma: int  # draft slots per request the scheduler reserves by default (0: plain decoding)
-    drafter: Drafter | None
-    policy: Policy
-    profile: StepProfile | None
+    @property
+    def gamma(self) -> int:
+        """Draft slots per request the scheduler reserves by default (0: plain decoding)."""
+        ...
+
+    @property
+    def drafter(self) -> Drafter | None: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def profile(self) -> StepProfile | None: ...
 
     def lookahead(self) -> int | None:
         """Draft slots to reserve next step (None: the default, `gamma`)."""

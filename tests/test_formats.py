@@ -22,7 +22,7 @@ from dspark.models.loader import load_model, load_target
 from dspark.sampling import SamplingParams, SamplingRows
 
 ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
-FIXTURES = {"deepspec": "deepspec", "deepspec_gated": "deepspec", "dflash": "dflash",
+FIXTURES = {"deepspec": "deepspec", "deepspec_gated": "deepspec", "deepspec_rnn": "deepspec", "dflash": "dflash",
             "speculators_dspark": "speculators", "speculators_eagle3": "speculators", "eagle": "eagle"}
 
 

@@ -64,7 +64,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from dspark.bench.prompts import read_prompts
-    from dspark.spec.rollouts import calibrate
+    from dspark.train.calibrate import calibrate
     from dspark.train.regen import chat_prompts
 
     if args.prompts:
@@ -115,7 +115,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     engine = build_engine(args.model, args.drafter, args.policy or "dspark", engine_config(args),
                           gamma=args.gamma, profile="refresh" if args.refresh else "auto",
                           draft_vocab=args.draft_vocab)
-    prof = engine.runner.profile  # type: ignore[union-attr]
+    prof = engine.runner.profile
+    if prof is None:
+        print("no step profile: this engine weighs no costs (name a drafter and a cost-weighing policy)")
+        return 2
     print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
         print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dspark.config import EngineConfig
-from dspark.engine.engine import RequestOutput
 from dspark.engine.factory import build_engine
+from dspark.engine.output import RequestOutput
 from dspark.sampling import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """SamplingParams and the logits processing shared by the target and every drafter.
 
 The same `probabilities(logits, rows)` turns target logits and draft
-logits into distributions, so verification compares like with like (DESIGN.md §3.3).
+logits into distributions, so verification compares like with like (`docs/architecture.md`, Verification).
 Temperature 0 means greedy: a one-hot distribution on the argmax.
 """
 

@@ -18,6 +18,7 @@ import torch
 from dspark.bench.prompts import load_prompt_texts
 from dspark.config import EngineConfig
 from dspark.engine.factory import build_engine
+from dspark.engine.speculative import SpeculativeRunner
 from dspark.sampling import SamplingParams
 
 
@@ -25,18 +26,15 @@ def one_pass(engine, prompts, max_tokens: int, sync) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     rows, tokens, t_start = [], 0, time.perf_counter()
-    runner = engine.runner
     while engine.has_unfinished():
-        drafted0 = getattr(runner, "drafted_steps", 0)
         t = time.perf_counter()
-        engine.step()
+        step = engine.step()
         sync()
         wall = time.perf_counter() - t
-        last = engine.last_step
-        if last is None:
+        if not step.ran:
             continue
-        tokens += sum(len(v) for v in last.tokens.values())
-        rows.append((getattr(runner, "drafted_steps", 0) > drafted0, wall, dict(last.times)))
+        tokens += sum(len(v) for v in step.new_tokens.values())
+        rows.append((step.drafter_ran, wall, dict(step.times)))
     total = time.perf_counter() - t_start
     assert all(r.is_finished for r in reqs)
     out = {"steps": len(rows), "tok_s": tokens / total}
@@ -68,7 +66,7 @@ def main() -> None:
                               draft_vocab=int(vocab or 0))
         one_pass(engine, prompts, args.max_tokens, sync)
         res = one_pass(engine, prompts, args.max_tokens, sync)
-        gate = getattr(engine.runner, "gate", None)
+        gate = engine.runner.gate if isinstance(engine.runner, SpeculativeRunner) else None
         state = "" if gate is None else f" gate open={gate.open} interval={gate.interval}"
         print(f"{name:10s} C={args.concurrency}: {res}{state}", flush=True)
 

@@ -10,7 +10,7 @@ import torch
 from dspark.drafters.base import save_drafter
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.models.loader import load_model
-from dspark.spec.calibrate import auroc, brier, ece, fit_sts, survival
+from dspark.spec.sts import auroc, brier, ece, fit_sts, survival
 
 
 def synthetic(n: int = 20000, g: int = 4, scale: float = 2.5, seed: int = 0):
@@ -67,7 +67,7 @@ def test_metrics_on_known_cases():
 
 
 def test_calibrate_end_to_end_on_rollouts(qwen3_dir, tmp_path):
-    from dspark.spec.rollouts import calibrate
+    from dspark.train.calibrate import calibrate
 
     net, tok = load_model(qwen3_dir)
     torch.manual_seed(0)
@@ -82,8 +82,8 @@ def test_calibrate_end_to_end_on_rollouts(qwen3_dir, tmp_path):
 
 
 def test_temperatures_that_do_not_help_out_of_sample_are_not_written():
-    from dspark.spec.calibrate import Calibration
-    from dspark.spec.rollouts import shipped_temperatures
+    from dspark.spec.sts import Calibration
+    from dspark.train.calibrate import shipped_temperatures
 
     def cal(before, after):
         return Calibration([0.5, 2.0], [{"ece": e} for e in before], [{"ece": e} for e in after])

@@ -16,6 +16,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.detokenize import CONTEXT, LIMIT, Detokenizer
 from dspark.models.loader import load_model
 from dspark.models.tokenizer import TextTokenizer
@@ -95,7 +96,7 @@ def test_stop_strings_spanning_tokens_cut_where_a_full_decode_finds_them(tiny):
 
 def engine(tiny, tokenizer=None) -> LLMEngine:
     net, tok = tiny
-    return LLMEngine(net, tokenizer or tok, EngineConfig(device="cpu", block_size=4))
+    return assemble(net, tokenizer or tok, EngineConfig(device="cpu", block_size=4))
 
 
 def test_engine_text_and_stop_strings_match_a_full_decode(tiny):

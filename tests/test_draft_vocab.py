@@ -16,8 +16,7 @@ from dspark.config import EngineConfig
 from dspark.drafters.base import ProposeInput, save_drafter
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.drafters.vocab import count_tokens, coverage, expected_counts, read_counts, top_ids, write_counts
-from dspark.engine.engine import LLMEngine
-from dspark.engine.factory import build_engine
+from dspark.engine.factory import assemble, build_engine
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams, SamplingRows
 from tests.test_spec_engine import PROMPTS, run
@@ -29,7 +28,7 @@ def engine_for(path, kind, policy, ids):
     net, tok = load_model(path)
     torch.manual_seed(0)
     drafter = new_drafter(new_config(kind, net.config, tok.token_id("<|mask|>") or 0))
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96),
+    engine = assemble(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96),
                        drafter=drafter, policy=policy)
     drafter.restrict_vocab(ids)
     return engine
@@ -38,7 +37,7 @@ def engine_for(path, kind, policy, ids):
 @pytest.fixture(scope="module")
 def plain(qwen3_dir):
     net, tok = load_model(qwen3_dir)
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96))
+    engine = assemble(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96))
     return [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)]
 
 

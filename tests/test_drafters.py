@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.drafters.base import ContextRow, DrafterConfig, ProposeInput, save_drafter
-from dspark.drafters.dspark import block_mask
+from dspark.drafters.block import block_mask
 from dspark.drafters.registry import default_taps, load_drafter, new_config, new_drafter
 from dspark.kv_cache import PagedKVCache
 from dspark.models.loader import load_model

@@ -7,6 +7,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 
@@ -18,7 +19,7 @@ def make_engine(path, **kw) -> LLMEngine:
     net, tok = load_model(path)
     defaults = dict(device="cpu", max_num_batched_tokens=64, block_size=4)
     defaults.update(kw)
-    return LLMEngine(net, tok, EngineConfig(**defaults))
+    return assemble(net, tok, EngineConfig(**defaults))
 
 
 def naive_greedy(net, ids: list[int], n: int) -> list[int]:
@@ -133,11 +134,11 @@ def test_engines_leave_the_global_rng_alone(qwen3_dir):
     torch.manual_seed(1234)
     before = torch.random.get_rng_state()
     cfg = EngineConfig(device="cpu", seed=7)
-    engines = [LLMEngine(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
+    engines = [assemble(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
     assert torch.equal(torch.random.get_rng_state(), before)
     outs = [e.run_until_done([e.add_request(p, sampled) for p in PROMPTS]) for e in engines]
     assert torch.equal(torch.random.get_rng_state(), before)
-    again = LLMEngine(*loaded, cfg)
+    again = assemble(*loaded, cfg)
     torch.manual_seed(99)  # the caller's reseeding does not reach the engine's draws
     assert [o.token_ids for o in generate(again, PROMPTS, sampled)] == [o.token_ids for o in outs[0]]
 
@@ -158,3 +159,34 @@ def test_step_retires_every_finished_request(qwen3_dir):
     assert all(r.finish_reason == "abort" for r in aborted)
     assert engine.requests == {} and engine.kv.pool.num_used_blocks == 0
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_a_step_tells_what_it_did(qwen3_dir):
+    """`step()` returns a frozen StepOutput: the plan, the forward's size, who progressed or
+    finished and their new tokens; a raising forward becomes StepFailed naming the step's requests."""
+    import dataclasses
+
+    from dspark.engine.output import StepFailed
+
+    engine = make_engine(qwen3_dir)
+    assert not engine.step().ran  # nothing queued: an empty plan
+    reqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)) for p in PROMPTS[:2]]
+    step = engine.step()
+    assert step.scheduled_ids == [r.request_id for r in reqs] and step.num_forward_tokens == step.plan.num_tokens
+    assert set(step.new_tokens) == {r.request_id for r in step.progressed}
+    assert all(list(step.new_tokens[r.request_id]) == r.output_ids for r in step.progressed)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.num_forward_tokens = 0  # type: ignore[misc]
+    while engine.has_unfinished():
+        step = engine.step()
+    assert set(step.finished) <= set(reqs) and all(r.is_finished for r in reqs)
+
+    other = engine.add_request(PROMPTS[2], GREEDY)
+
+    def broken(scheduled):
+        raise RuntimeError("injected")
+
+    engine.runner.step = broken  # type: ignore[method-assign]
+    with pytest.raises(StepFailed) as failed:
+        engine.step()
+    assert failed.value.request_ids == [other.request_id] and "injected" in str(failed.value)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark.engine.engine import RequestOutput
+from dspark.engine.output import RequestOutput
 from dspark.models.loader import load_model
 from dspark.models.tokenizer import TextTokenizer
 from dspark.train.evaluate import (

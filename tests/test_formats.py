@@ -17,7 +17,7 @@ from dspark.config import EngineConfig
 from dspark.drafters.base import ContextRow, ProposeInput
 from dspark.drafters.formats import detect
 from dspark.drafters.registry import load_drafter
-from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.loader import load_model, load_target
 from dspark.sampling import SamplingParams, SamplingRows
 
@@ -75,7 +75,7 @@ def test_fixture_matches_reference(name):
 def greedy_outputs(target_dir, drafter_dir=None, policy="none"):
     net, tok = load_model(target_dir)
     drafter = load_drafter(str(drafter_dir), target=net.config) if drafter_dir else None
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=64), drafter=drafter,
+    engine = assemble(net, tok, EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=64), drafter=drafter,
                        policy=policy)
     prompts = [[3 + (7 * i + j) % 200 for j in range(5 + 3 * i)] for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -121,7 +121,7 @@ def test_llm_serves_a_published_drafter_directory():
 
 def plain_outputs_for(prompt: list[int], n: int) -> list[int]:
     net, tok = load_model(ROOT / "target_qwen3")
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", block_size=4))
+    engine = assemble(net, tok, EngineConfig(device="cpu", block_size=4))
     return engine.run_until_done([engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n,
                                                                            ignore_eos=True))])[0].token_ids
 
@@ -131,7 +131,7 @@ def test_calibrate_works_on_a_published_checkpoint(tmp_path):
     `dspark calibrate` writes `sts_temperatures` into its config.json, which then loads back."""
     import shutil
 
-    from dspark.spec.rollouts import calibrate
+    from dspark.train.calibrate import calibrate
 
     drafter_dir = tmp_path / "deepspec"
     shutil.copytree(ROOT / "deepspec", drafter_dir)

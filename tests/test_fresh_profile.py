@@ -17,9 +17,9 @@ from dspark.config import EngineConfig
 from dspark.drafters.base import save_drafter
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.engine.factory import build_engine
+from dspark.engine.profiler import CACHE_ENV
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
-from dspark.spec.profile import CACHE_ENV
 
 KINDS = ["dspark", "dflash", "eagle3", "mtp", "ngram"]
 POLICIES = ["none", "static:3", "threshold:0.3", "dspark", "dspark-async"]

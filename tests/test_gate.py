@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dspark.engine.gate import Gate, GateConfig
+from dspark.spec.policies import algorithm1, candidates, uniform_candidates
 from dspark.spec.profile import StepProfile
-from dspark.spec.round import Gate, GateConfig
-from dspark.spec.schedule import algorithm1, candidates, uniform_candidates
 from dspark.spec.stats import AcceptanceStats
 
 GAMMA = 4
@@ -76,7 +76,7 @@ def test_a_one_request_profile_is_constant_past_its_point():
 
 
 def test_profile_key_separates_engine_shapes():
-    from dspark.spec.profile import profile_key
+    from dspark.engine.profiler import profile_key
 
     one = profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
     assert one != profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 64)

@@ -8,7 +8,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.drafters.registry import new_config, new_drafter
-from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 
@@ -24,7 +24,7 @@ def test_greedy_identity_bf16_cuda(qwen3_dir, kind, policy):
         net, tok = load_model(qwen3_dir, "cuda", "bfloat16")
         torch.manual_seed(0)
         drafter = new_drafter(new_config(drafter_kind, net.config, 5)) if drafter_kind else None
-        engine = LLMEngine(net, tok, EngineConfig(device="cuda", dtype="bfloat16"), drafter=drafter, policy=pol)
+        engine = assemble(net, tok, EngineConfig(device="cuda", dtype="bfloat16"), drafter=drafter, policy=pol)
         reqs = [engine.add_request(p, params) for p in PROMPTS]
         outs.append([o.token_ids for o in engine.run_until_done(reqs)])
         assert engine.kv.pool.num_used_blocks == 0

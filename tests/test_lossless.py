@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dspark.sampling import SamplingParams, SamplingRows, draw, probabilities, sample
-from dspark.spec.schedule import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
+from dspark.spec.policies import DSpark, DSparkAsync, Policy, Static, Threshold, candidates, make_policy
 from dspark.spec.verify import verify, verify_greedy
 
 V, GAMMA, N, TOKENS = 3, 3, 100_000, 3

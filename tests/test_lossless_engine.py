@@ -23,12 +23,12 @@ from tokenizers.models import WordLevel
 
 from dspark.config import EngineConfig, ModelConfig
 from dspark.drafters.registry import new_config, new_drafter
-from dspark.engine.engine import LLMEngine
-from dspark.models.qwen3 import CausalLM
+from dspark.engine.factory import assemble
+from dspark.engine.gate import GateConfig
+from dspark.models.decoder import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile
-from dspark.spec.round import GateConfig
 
 V, TOKENS, COPIES = 16, 3, 240  # vocabulary, tokens compared, requests per prompt x setting
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
@@ -115,7 +115,7 @@ def run_engine(target: CausalLM, policy: str):
     drafter = new_drafter(new_config("dspark", target.config, V - 1, gamma=4))
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=4, num_kv_blocks=24, max_num_seqs=16,
                        max_num_batched_tokens=48)
-    engine = LLMEngine(target, tiny_tokenizer(), cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))
+    engine = assemble(target, tiny_tokenizer(), cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))
     engine.runner.set_profile(StepProfile(**{**PROFILE.__dict__}))
     torch.manual_seed(2)
     groups, reqs = [], []

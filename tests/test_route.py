@@ -16,10 +16,11 @@ from dspark.drafters.base import save_drafter
 from dspark.drafters.registry import load_drafter, new_config, new_drafter
 from dspark.drafters.route import RoutedDrafter, route
 from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
+from dspark.engine.gate import GateConfig
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile
-from dspark.spec.round import GateConfig
 from tests.conftest import build_tiny
 from tests.test_spec_engine import PROMPTS, engine_for, run
 
@@ -41,7 +42,7 @@ def routed(path, policy: str, profile: StepProfile | None = PROFILE, sure: float
     with torch.no_grad():
         drafter.neural.conf.proj.bias.add_(sure)
     cfg = EngineConfig(**{"device": "cpu", "block_size": 4, "max_num_batched_tokens": 96, **kw})
-    engine = LLMEngine(net, tok, cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))
+    engine = assemble(net, tok, cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))
     if profile is not None:
         engine.runner.set_profile(profile)
     return engine
@@ -125,7 +126,7 @@ def small_vocab(tmp_path_factory):
 def exact_joint(path) -> torch.Tensor:
     """P(t1, t2, t3 | PROMPT) [V**3] from plain decoding's own full distributions."""
     net, tok = load_model(path)
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu"))
+    engine = assemble(net, tok, EngineConfig(device="cpu"))
     prefixes = [list(p) for n in range(TOKENS) for p in itertools.product(range(V), repeat=n)]
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=V)
     outs = engine.run_until_done([engine.add_request(PROMPT + p, params) for p in prefixes])

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from dspark.cli import build_parser  # noqa: E402
 from dspark.config import EngineConfig  # noqa: E402
-from dspark.engine.engine import LLMEngine  # noqa: E402
+from dspark.engine.factory import assemble  # noqa: E402
 from dspark.models.loader import load_model  # noqa: E402
 from dspark.server.app import ServeSettings, create_app  # noqa: E402
 from dspark.server.launch import ServerThread, build_engine, drafter_name  # noqa: E402
@@ -34,7 +34,7 @@ def make_server(path: Path, max_waiting: int | None = 256, **engine_kw) -> Serve
     net, tok = load_model(path)
     cfg = dict(device="cpu", num_kv_blocks=256, max_num_batched_tokens=512)
     cfg.update(engine_kw)
-    app = create_app(LLMEngine(net, tok, EngineConfig(**cfg)), ServeSettings(model_name=MODEL, max_waiting=max_waiting))
+    app = create_app(assemble(net, tok, EngineConfig(**cfg)), ServeSettings(model_name=MODEL, max_waiting=max_waiting))
     return ServerThread(app).start()
 
 

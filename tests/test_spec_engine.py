@@ -9,7 +9,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.drafters.registry import new_config, new_drafter
-from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 
@@ -27,7 +27,7 @@ def engine_for(path, kind=None, policy="none", **kw):
     torch.manual_seed(0)  # the same random drafter weights every time
     drafter = new_drafter(new_config(kind, net.config, tok.token_id("<|mask|>") or 0)) if kind else None
     cfg = EngineConfig(**{"device": "cpu", "block_size": 4, "max_num_batched_tokens": 96, **kw})
-    return LLMEngine(net, tok, cfg, drafter=drafter, policy=policy)
+    return assemble(net, tok, cfg, drafter=drafter, policy=policy)
 
 
 def run(engine, prompts=PROMPTS, params=GREEDY):
@@ -76,8 +76,7 @@ def test_never_more_than_gamma_nor_over_budget(qwen3_dir):
     reqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
     while engine.has_unfinished():
         plan_budget = engine.cfg.max_num_batched_tokens
-        engine.step()
-        step = engine.last_step
+        step = engine.step()
         assert step.num_forward_tokens <= plan_budget
         assert all(v <= engine.drafter.gamma for v in step.verified.values())
     assert all(r.is_finished for r in reqs)
@@ -95,7 +94,7 @@ def test_mismatched_drafter_is_refused(qwen3_dir, llama_dir):
     other, tok = load_model(llama_dir)
     bad = new_drafter(new_config("dspark", net.config.__class__(**{**net.config.__dict__, "vocab_size": 999})))
     with pytest.raises(ValueError, match="vocabulary"):
-        LLMEngine(other, tok, EngineConfig(device="cpu"), drafter=bad, policy="dspark")
+        assemble(other, tok, EngineConfig(device="cpu"), drafter=bad, policy="dspark")
 
 
 def test_logprobs_under_speculation_match_plain(qwen3_dir):
@@ -110,13 +109,13 @@ def test_logprobs_under_speculation_match_plain(qwen3_dir):
 def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, reference):
     """Drafting never pays under this profile, so every drafted step is a probe, and a probe
     drafts for one request of the batch; the output is still plain greedy decoding."""
+    from dspark.engine.gate import GateConfig
     from dspark.spec.profile import StepProfile
-    from dspark.spec.round import GateConfig
 
     net, tok = load_model(qwen3_dir)
     drafter = new_drafter(new_config("ngram", net.config, tok.token_id("<|mask|>") or 0))
     cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
-    engine = LLMEngine(net, tok, cfg, drafter=drafter, policy="dspark",
+    engine = assemble(net, tok, cfg, drafter=drafter, policy="dspark",
                        gate=GateConfig(probe_every=1, probe_max=2, probe_requests=1))
     engine.runner.set_profile(StepProfile("never", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 64],
                                           draft_s=[10.0, 10.0]))

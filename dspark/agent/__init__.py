@@ -1,0 +1,1 @@
+"""Agent workloads: tasks with checkable answers and multi-turn episodes built from source material."""

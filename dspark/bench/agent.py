@@ -97,10 +97,9 @@ def carried(row: dict) -> str:
 
 def markdown(rows: Sequence[dict], group: Sequence[str]) -> str:
     """The per-phase table: one line per (group..., kind)."""
-    from dspark.bench.report import table
+    from dspark.report import cell, table
 
-    f = lambda v: "–" if v is None else round(v, 3)  # noqa: E731
     head = [*group, "task kind", "requests", "mean prompt tokens", "τ", "per-user tok/s", "accepted tokens by drafter"]
     body = [[*(r[g] for g in group), r["kind"], r["requests"], round(r["prompt_tokens"] / max(1, r["requests"])),
-             f(r["tau"]), f(r["tok_s"]), carried(r)] for r in rows]
+             cell(r["tau"]), cell(r["tok_s"]), carried(r)] for r in rows]
     return table(head, body)

@@ -26,7 +26,7 @@ def _names(text: str) -> list[str]:
 
 
 def _out(args: argparse.Namespace, name: str) -> str:
-    from dspark.bench.report import DEFAULT_OUT
+    from dspark.report import DEFAULT_OUT
 
     return args.out or (f"/tmp/dspark-bench-quick/{name}" if args.quick else DEFAULT_OUT)
 
@@ -118,9 +118,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--out", default=None, help="output directory (default docs/results)")
     h.set_defaults(func=run_host)
 
-    t = sub.add_parser("targets", help="the issue's targets checked against committed results (measures nothing)")
+    t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
-    t.set_defaults(func=run_targets)
+    t.set_defaults(func=run_goals)
 
 
 def _given(args: argparse.Namespace, **names: str) -> dict:
@@ -130,7 +130,7 @@ def _given(args: argparse.Namespace, **names: str) -> dict:
 
 def run_decode(args: argparse.Namespace) -> int:
     from dspark.bench import decode
-    from dspark.bench.report import DEFAULT_OUT
+    from dspark.report import DEFAULT_OUT
 
     if args.quick:
         args.concurrency, args.max_tokens, args.repeats = [1, 4], 16, 1
@@ -185,7 +185,7 @@ def run_peers(args: argparse.Namespace) -> int:
 def run_soak(args: argparse.Namespace) -> int:
     """Exit status 1 when the soak saw errors or left KV blocks in use."""
     from dspark.bench import soak
-    from dspark.bench.report import DEFAULT_OUT
+    from dspark.report import DEFAULT_OUT
 
     fields = dict(duration_s=60.0, sample_every_s=5.0) if args.quick else {}
     fields.update(_given(args, model="model", device="device", duration_s="duration", clients="clients",
@@ -198,17 +198,17 @@ def run_soak(args: argparse.Namespace) -> int:
     return 1 if data["errors"] or data["server"]["kv_blocks_used_after_load"] else 0
 
 
-def run_targets(args: argparse.Namespace) -> int:
-    from dspark.bench import targets
-    from dspark.bench.report import DEFAULT_OUT
+def run_goals(args: argparse.Namespace) -> int:
+    from dspark.bench import goals
+    from dspark.report import DEFAULT_OUT
 
-    targets.run(args.results or DEFAULT_OUT)
+    goals.run(args.results or DEFAULT_OUT)
     return 0
 
 
 def run_host(args: argparse.Namespace) -> int:
     from dspark.bench import host
-    from dspark.bench.report import DEFAULT_OUT
+    from dspark.report import DEFAULT_OUT
 
     host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or DEFAULT_OUT)
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench import report
+from dspark import report
 from dspark.bench.prompts import load_prompt_texts
 
 
@@ -43,12 +43,12 @@ def run(model: str | None, concurrency: list[int], max_tokens: int, repeats: int
     import transformers
 
     from dspark.config import EngineConfig
-    from dspark.engine.engine import LLMEngine
+    from dspark.engine.factory import assemble
     from dspark.models.loader import load_model, resolve_model_path
 
     path = resolve_model_path(model)
     net, tok = load_model(path, "cpu", "float32")
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", max_num_seqs=max(concurrency)))
+    engine = assemble(net, tok, EngineConfig(device="cpu", max_num_seqs=max(concurrency)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     texts = load_prompt_texts(["gsm8k", "humaneval", "mt-bench"], per_dataset=max(concurrency))
     chat = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.bench import report
+from dspark import report
 from dspark.config import EngineConfig, ModelConfig
 from dspark.drafters.registry import new_config, new_drafter
 from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import assemble
+from dspark.models.decoder import CausalLM
 from dspark.models.loader import resolve_model_path
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
 
@@ -89,7 +90,7 @@ def run_one(net: CausalLM, tok: TextTokenizer, drafter: str | None, s: HostSetti
     if drafter:
         torch.manual_seed(s.seed)
         d = new_drafter(new_config(drafter, net.config, tok.token_id("<|mask|>") or 0, gamma=s.gamma))
-    engine = LLMEngine(net, tok, EngineConfig(device="cpu", dtype="float32"), drafter=d,
+    engine = assemble(net, tok, EngineConfig(device="cpu", dtype="float32"), drafter=d,
                        policy=f"static:{s.gamma}" if d else "none")
     clock = ModelClock(engine)
     params = SamplingParams(temperature=0.0, max_tokens=s.max_tokens, ignore_eos=True, stop=("\x00never\x00",))

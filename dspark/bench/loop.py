@@ -151,7 +151,7 @@ class ClosedLoop:
 
     def _step(self) -> None:
         engine, res = self.engine, self.result
-        touched = engine.step()
+        touched = engine.step().progressed
         res.steps += 1
         res.peak_kv_blocks = max(res.peak_kv_blocks, engine.kv.pool.num_used_blocks)
         if engine.drafter is not None:

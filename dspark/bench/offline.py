@@ -24,7 +24,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.bench import plots, report
+from dspark import report
+from dspark.bench import plots
 from dspark.bench.prompts import DATASETS
 from dspark.bench.summary import conditional_acceptance, macro, mean_curves, ratio, speculation
 from dspark.bench.workload import (
@@ -38,6 +39,7 @@ from dspark.bench.workload import (
     select,
     split_drafter,
 )
+from dspark.report import cell
 
 THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0.0 = the full block, as static:gamma
 
@@ -207,12 +209,8 @@ def _domain_table(rows: Sequence[dict], key: str) -> tuple[list[str], list[list]
         by_ds = {r["dataset"]: r[key] for r in mine}
         dom = macro(mine, key)
         avg = sum(dom.values()) / len(dom) if dom else None
-        table.append([drafter, *(_f(by_ds.get(d)) for d in datasets), *(_f(dom.get(d)) for d in domains), _f(avg)])
+        table.append([drafter, *(cell(by_ds.get(d)) for d in datasets), *(cell(dom.get(d)) for d in domains), cell(avg)])
     return ["drafter", *datasets, *domains, "mean (domains)"], table
-
-
-def _f(v):
-    return "–" if v is None else (round(v, 3) if isinstance(v, float) else v)
 
 
 def markdown(rows, sweeps, s: OfflineSettings, path: Path, skipped: list[str], figures: list[str]) -> str:
@@ -244,12 +242,12 @@ def markdown(rows, sweeps, s: OfflineSettings, path: Path, skipped: list[str], f
         for drafter in dict.fromkeys(r["drafter"] for r in first):
             for domain in dict.fromkeys(r["domain"] for r in first):
                 cs = [r["conditional_acceptance"] for r in first if r["drafter"] == drafter and r["domain"] == domain]
-                table.append([drafter, domain, *(_f(v) for v in mean_curves(cs) + [None] * width)][: 2 + width])
+                table.append([drafter, domain, *(cell(v) for v in mean_curves(cs) + [None] * width)][: 2 + width])
         md.append(report.table(["drafter", "domain", *(f"k={k + 1}" for k in range(width))], table))
     for label, sweep in sweeps.items():
         md.append(f"\n## Threshold sweep: `{label}` (policy threshold:t, temperature {s.temperatures[0]})\n\n")
-        table = [[d, p["threshold"], _f(p["tau"]), _f(p["verified_per_round"]), _f(p["accepted_per_round"]),
-                  _f(p["acceptance_rate"])] for d, pts in sweep_by_domain(sweep).items() for p in pts]
+        table = [[d, p["threshold"], cell(p["tau"]), cell(p["verified_per_round"]), cell(p["accepted_per_round"]),
+                  cell(p["acceptance_rate"])] for d, pts in sweep_by_domain(sweep).items() for p in pts]
         md.append(report.table(["domain", "t", "τ", "verified / round", "accepted / round", "acceptance rate"], table))
     md += ["\n" + "".join(f"![{f}]({f})\n" for f in figures)]
     return "".join(md)
@@ -265,5 +263,5 @@ def ratio_table(rows: Sequence[dict]) -> str:
     table = []
     for drafter in dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != ref):
         other = macro([r for r in rows if r["drafter"] == drafter], "tau")
-        table.append([f"{ref} / {drafter}", *(_f(ratio(base.get(d), other.get(d))) for d in domains)])
+        table.append([f"{ref} / {drafter}", *(cell(ratio(base.get(d), other.get(d))) for d in domains)])
     return "\n" + report.table(["τ ratio", *domains], table) if table else ""

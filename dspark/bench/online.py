@@ -31,7 +31,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.bench import frontier, plots, report
+from dspark import report
+from dspark.bench import frontier, plots
 from dspark.bench.loop import ClosedLoop, LoopResult, closed_loop, run_loops
 from dspark.bench.prompts import DATASETS
 from dspark.bench.summary import latency, speculation
@@ -47,6 +48,7 @@ from dspark.bench.workload import (
     select,
     split_drafter,
 )
+from dspark.report import cell
 
 CONFIGS = "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async"
 MiB = 1024 * 1024
@@ -143,8 +145,7 @@ def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs:
     then one row of the table per configuration."""
     loops, before, bars = [], [], []
     for sp, engine in entries:
-        runner = engine.runner
-        before.append((getattr(runner, "drafted_steps", 0), getattr(runner, "steps", 0)))
+        before.append((engine.num_drafted_steps, engine.num_steps))
         bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"{sp.label} C={c}", leave=False, disable=None)
         bars.append(bar)
         loops.append(ClosedLoop(engine, jobs, c, params, per_client(s), s.duration_s, bar.update))
@@ -152,9 +153,8 @@ def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs:
     rows = []
     for (sp, engine), res, (drafted0, steps0), bar in zip(entries, results, before, bars, strict=True):
         bar.close()
-        runner = engine.runner
-        steps = getattr(runner, "steps", 0) - steps0
-        drafted = (getattr(runner, "drafted_steps", 0) - drafted0) / steps if steps else None
+        steps = engine.num_steps - steps0
+        drafted = (engine.num_drafted_steps - drafted0) / steps if steps else None
         kv_block_mib = engine.kv.bytes / engine.kv.pool.num_blocks / MiB
         rows.append(row_for(sp.label, c, res, {
             "drafter": sp.drafter, "policy": sp.policy, "gamma": engine.drafter.gamma if engine.drafter else 0,
@@ -320,10 +320,6 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
     return payload, md
 
 
-def _f(v):
-    return "–" if v is None else v
-
-
 def _runs(values: list[float | None] | None) -> str:
     return "–" if not values else ", ".join("–" if v is None else f"{v:.2f}" for v in values)
 
@@ -358,17 +354,17 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
         md.append(f"\nSkipped (no drafter checkpoint for this model): {', '.join(skipped)}.\n")
     head = ["config", "C", "tok/s", "per-user mean", "per-user p50", "TTFT mean s", "TTFT p50 s", "budget", "τ",
             "accept rate", "peak RSS MiB", "peak KV blocks (MiB)", "drafter cache MiB", "tok/s per run"]
-    table = [[r["config"], r["concurrency"], _f(r["throughput_tok_s"]), _f(r["per_user_tok_s_mean"]),
-              _f(r["per_user_tok_s_p50"]), _f(r["ttft_mean_s"]), _f(r["ttft_p50_s"]), _f(r["budget"]), _f(r["tau"]),
-              _f(r["acceptance_rate"]), _f(r["peak_rss_mib"]),
-              _kv(r), _f(r["peak_drafter_cache_mib"]),
+    table = [[r["config"], r["concurrency"], cell(r["throughput_tok_s"]), cell(r["per_user_tok_s_mean"]),
+              cell(r["per_user_tok_s_p50"]), cell(r["ttft_mean_s"]), cell(r["ttft_p50_s"]), cell(r["budget"]), cell(r["tau"]),
+              cell(r["acceptance_rate"]), cell(r["peak_rss_mib"]),
+              _kv(r), cell(r["peak_drafter_cache_mib"]),
               " / ".join("–" if t is None else f"{t:.0f}" for t in r.get("throughput_runs", [r["throughput_tok_s"]]))] for r in rows]
     md += ["\n## Per configuration and concurrency\n\n", report.table(head, table)]
     ref = summary["reference"]
     if ratios:
         md += [f"\n## Ratios vs `{ref}` at the same concurrency\n\n",
                report.table(["config", "C", "throughput ×", "per-user ×", "throughput × per repeat"],
-                            [[r["config"], r["concurrency"], _f(r["throughput_ratio"]), _f(r["per_user_ratio"]),
+                            [[r["config"], r["concurrency"], cell(r["throughput_ratio"]), cell(r["per_user_ratio"]),
                               _runs(r.get("throughput_ratio_runs"))] for r in ratios])]
         for config in dict.fromkeys(r["config"] for r in ratios):
             worst = min((r for r in ratios if r["config"] == config and r["throughput_ratio"] is not None),

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from dspark.bench import report
+from dspark import report
 from dspark.bench.prompts import Prompt, load_dataset
 from dspark.bench.summary import ratio
 from dspark.bench.workload import engine_config, render
@@ -125,7 +125,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     pad = tok.token_id("<|endoftext|>") or 0
     spec_label = f"dspark {drafter}:{policy}"
     spec = build_engine(path, drafter, policy, cfg, profile=s.profile)
-    gamma = spec.drafter.gamma  # type: ignore[union-attr]
+    gamma = spec.runner.gamma
     systems = {
         "transformers generate": hf_system(hf, s.max_tokens, pad),
         f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, s.max_tokens, pad,

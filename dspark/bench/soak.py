@@ -237,7 +237,7 @@ async def load(url: str, pid: int, s: SoakSettings, tally: Tally, start: float) 
 
 def run(s: SoakSettings, out_dir: str | Path) -> dict:
     """Run the soak and write soak.json / soak.md to out_dir; -> the report."""
-    from dspark.bench import report
+    from dspark import report
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -285,7 +285,7 @@ def summarize(s: SoakSettings, tally: Tally, samples: list[dict], m: dict, alive
 
 
 def markdown(d: dict) -> str:
-    from dspark.bench.report import table
+    from dspark.report import table
 
     s, r, k, srv = d["settings"], d["rss_mib"], d["kv_blocks_used"], d["server"]
     head = (f"# Soak: {s['duration_s']:.0f} s, {s['clients']} clients, {s['num_kv_blocks']} KV blocks\n\n"

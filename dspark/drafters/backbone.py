@@ -1,4 +1,4 @@
-"""The KV-injected parallel backbone shared by DSpark and DFlash (DESIGN.md §3.1).
+"""The KV-injected parallel backbone shared by DSpark and DFlash (`docs/architecture.md`, The DSpark drafter).
 
 Context features `H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])` are never run through the
 layers: each layer projects them to keys/values (`context_kv`) that the block's queries
@@ -19,8 +19,8 @@ from torch.nn import functional as F
 from dspark.config import ModelConfig
 from dspark.drafters.base import DrafterConfig
 from dspark.models.attention import AttentionMetadata
+from dspark.models.decoder import DecoderLayer, KVLayer
 from dspark.models.layers import RMSNorm, Rotary, apply_rope
-from dspark.models.qwen3 import DecoderLayer, KVLayer
 
 
 def layer_config(cfg: DrafterConfig, num_layers: int | None = None) -> ModelConfig:

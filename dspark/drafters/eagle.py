@@ -7,7 +7,7 @@ own (pre-norm) output while drafting. Entry i pairs g_{i-1} with token x_i; the 
 sequence has no entry, so a request with n committed tokens caches n-1 entries (entry i in slot
 and RoPE position i-1: attention sees only relative positions). The LM head is the checkpoint's
 own, over its draft vocabulary (`config.draft_vocab`, from d2t). Serving only: dspark trains its
-own `eagle3` layout (`drafters/eagle3.py`).
+own `eagle3` layout (`drafters/shifted.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from dspark.drafters.backbone import layer_config
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
+from dspark.models.decoder import Attention
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU
-from dspark.models.qwen3 import Attention
 from dspark.sampling import SamplingRows
 
 

@@ -1,4 +1,4 @@
-"""DSpark's sequential heads and confidence head (DESIGN.md §3.1, paper §3.1-3.2.1).
+"""DSpark's sequential heads and confidence head (`docs/architecture.md`, The DSpark drafter; paper §3.1-3.2.1).
 
 A sequential head adds a prefix-dependent bias B_k to the backbone's base logits U_k, so
 draft token x_k depends on the tokens sampled before it in the block:

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
 from dspark.kv_cache import PagedKVCache
-from dspark.models.qwen3 import CausalLM
+from dspark.models.decoder import CausalLM
 from dspark.sampling import SamplingRows, probabilities, sample
 
 

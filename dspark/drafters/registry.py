@@ -29,15 +29,15 @@ def default_taps(num_layers: int, count: int = 3) -> tuple[int, ...]:
 
 def drafter_class(kind: str, split_entry: bool = False):
     if kind in ("dspark", "dflash"):
-        from dspark.drafters.dspark import DSparkDrafter
+        from dspark.drafters.block import BlockDrafter
 
-        return DSparkDrafter
+        return BlockDrafter
     if kind == "eagle3" and split_entry:
         from dspark.drafters.eagle import Eagle3Drafter
 
         return Eagle3Drafter
     if kind in ("eagle3", "mtp"):
-        from dspark.drafters.eagle3 import ShiftedDrafter
+        from dspark.drafters.shifted import ShiftedDrafter
 
         return ShiftedDrafter
     if kind == "suffix":
@@ -61,7 +61,7 @@ def routed_parts(name: str) -> str | None:
 
 
 def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrides) -> DrafterConfig:
-    """The config of an untrained `kind` drafter for `target` (DESIGN.md §5 defaults)."""
+    """The config of an untrained `kind` drafter for `target` (`docs/architecture.md`, Drafter defaults)."""
     base = dict(
         kind=kind, gamma=GAMMA[kind], hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
         num_attention_heads=target.num_attention_heads, num_key_value_heads=target.num_key_value_heads,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.models.qwen3 import CausalLM
+from dspark.models.decoder import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 
 FILE = "token_counts.json"

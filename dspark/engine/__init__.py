@@ -1,1 +1,1 @@
-"""The serving engine: requests, scheduler, flat-batch runner and the engine loop."""
+"""The serving engine: requests, scheduler, runners (plain, speculative), the gate, the profiler and the engine loop."""

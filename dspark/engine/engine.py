@@ -1,9 +1,10 @@
 """The engine loop: `schedule -> runner.step -> update`, with continuous batching.
 
 Requests join (`add_request`) and leave (finish, abort) between steps. `step()` runs one
-flattened forward for every scheduled request and returns the requests that progressed,
-so callers can stream. Plain decoding lives here; speculative decoding plugs a drafter and
-a policy into the same loop (`spec/`), so the loop reads the same either way.
+flattened forward for every scheduled request and returns a `StepOutput` that says what
+the step did, so callers can stream and measure. The runner (`engine/runner.py`: plain, or
+`engine/speculative.py`) is built by the factory (`engine/factory.py`); the loop reads the
+same either way.
 """
 
 from __future__ import annotations
@@ -11,72 +12,39 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from dspark.config import EngineConfig
-from dspark.drafters.base import Drafter
+from dspark.engine.output import RequestOutput, StepFailed, StepOutput
 from dspark.engine.request import Request, Status
-from dspark.engine.runner import ModelRunner, StepResult
-from dspark.engine.scheduler import Scheduler
+from dspark.engine.runner import Runner, StepResult
+from dspark.engine.scheduler import ScheduledRequest, Scheduler
 from dspark.kv_cache import PagedKVCache
+from dspark.models.decoder import CausalLM
 from dspark.models.detokenize import Detokenizer
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 from dspark.sampling import SamplingParams
-from dspark.spec.profile import StepProfile
-from dspark.spec.round import GateConfig, SpecRunner
-from dspark.spec.schedule import NoSpeculation, make_policy
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stats: dict
-    logprobs: list[dict] | None = None
-
-    def as_dict(self) -> dict:
-        out = {"text": self.text, "token_ids": self.token_ids, "finish_reason": self.finish_reason, "stats": self.stats}
-        if self.logprobs is not None:
-            out["logprobs"] = self.logprobs
-        return out
 
 
 class LLMEngine:
-    """Continuous-batching engine; with a drafter and a policy other than `none` it decodes
-    speculatively (spec/round.py), otherwise plainly (engine/runner.py)."""
+    """Continuous-batching engine over a KV cache and a runner (build one with
+    `engine.factory.assemble` or `build_engine`)."""
 
-    def __init__(self, model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig,
-                 drafter: Drafter | None = None, policy: str = "none", profile: StepProfile | None = None,
-                 gate: GateConfig | None = None) -> None:
-        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+    def __init__(self, model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, kv: PagedKVCache,
+                 runner: Runner) -> None:
+        self.model, self.tokenizer, self.cfg, self.kv, self.runner = model, tokenizer, cfg, kv, runner
+        self.drafter, self.policy = runner.drafter, runner.policy
         # unseeded requests draw from this engine's generator: seeding torch's global RNG would
         # reseed the caller's process (and every other engine in it)
         self.generator = torch.Generator(device=model.device).manual_seed(cfg.seed)
-        if cfg.num_kv_blocks:
-            self.kv = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, model.device, model.dtype)
-        else:
-            self.kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
-        self.policy = make_policy(policy)
-        speculative = drafter is not None and not isinstance(self.policy, NoSpeculation)
-        lookahead = drafter.gamma if speculative else 0
-        capacity = self.kv.pool.num_blocks * cfg.block_size - lookahead
+        capacity = self.kv.pool.num_blocks * cfg.block_size - runner.gamma
         self.max_model_len = min(cfg.max_model_len or model.config.max_position_embeddings, capacity)
-        self.scheduler = Scheduler(cfg, self.kv.pool, lookahead)
-        self.runner: ModelRunner | SpecRunner = ModelRunner(model, self.kv)
-        self.drafter = drafter
-        if speculative:
-            assert drafter is not None
-            drafter.bind(model, self.kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)
-            self.runner = SpecRunner(self.runner, drafter, self.policy, profile, gate)
+        self.scheduler = Scheduler(cfg, self.kv.pool, runner.gamma)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self.num_steps = 0
+        self.num_steps = self.num_drafted_steps = 0
         self.totals: dict[str, float] = {}
         # where request timestamps (arrival, first token, finish) come from; a benchmark that steps
         # several engines in turn gives each its own clock that runs only while that engine works
@@ -129,21 +97,30 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ---- the loop -------------------------------------------------------------------
-    def step(self) -> list[Request]:
-        """One engine step; returns the requests that emitted tokens or finished (a finished one
-        has already left `requests`: read it through the returned object)."""
+    def step(self) -> StepOutput:
+        """One engine step: what was scheduled, computed, drafted, verified and emitted. A
+        finished request has already left `requests` (read it through `progressed`). A forward
+        that raises becomes `StepFailed` naming the requests the step ran."""
         plan = self.scheduler.schedule(self.runner.lookahead())
         for req in plan.preempted:
             self.runner.release(req.request_id)
         if not plan.scheduled:
-            return []
-        result = self.runner.step(plan.scheduled)
-        result.request_ids = [s.request.request_id for s in plan.scheduled]
-        self.num_steps += 1
-        self.last_step = result
-        return self.update(plan.scheduled, result)
+            return StepOutput(plan)
+        try:
+            result = self.runner.step(plan.scheduled)
+            self.num_steps += 1
+            self.num_drafted_steps += int(result.drafter_ran)
+            touched = self.update(plan.scheduled, result)
+        except Exception as exc:
+            raise StepFailed([s.request.request_id for s in plan.scheduled], exc) from exc
+        frozen = MappingProxyType
+        return StepOutput(
+            plan, tuple(touched), tuple(r for r in touched if r.is_finished),
+            frozen({rid: tuple(t) for rid, t in result.tokens.items()}), result.num_forward_tokens,
+            result.drafter_ran, frozen(dict(result.drafted)), frozen(dict(result.verified)),
+            frozen(dict(result.accepted)), frozen(dict(result.times)))
 
-    def update(self, scheduled, result: StepResult) -> list[Request]:
+    def update(self, scheduled: Sequence[ScheduledRequest], result: StepResult) -> list[Request]:
         touched = []
         now = self.clock()
         for key, seconds in result.times.items():

@@ -1,6 +1,8 @@
-"""Build an engine from names: model, drafter, policy (what `LLM(...)` and the CLI call).
+"""Build an engine: from names (`build_engine`, what `LLM(...)` and the CLI call) or from
+loaded parts (`assemble`: KV cache, runner, engine).
 
     build_engine("dspark-tiny", drafter="dspark", policy="dspark", gamma=7)
+    assemble(model, tokenizer, EngineConfig(), drafter=d, policy="static:3")
 
 On the embedded model the defaults are the shipped `dspark` drafter and the `dspark`
 policy, and a policy named without a drafter uses the shipped one; elsewhere plain
@@ -15,16 +17,21 @@ from pathlib import Path
 import torch
 
 from dspark.config import EngineConfig
+from dspark.drafters.base import Drafter
 from dspark.drafters.neural import NeuralDrafter
 from dspark.drafters.registry import load_drafter
 from dspark.drafters.vocab import top_ids
+from dspark.engine import profiler
 from dspark.engine.engine import LLMEngine
+from dspark.engine.gate import GateConfig
+from dspark.engine.runner import ModelRunner, Runner
+from dspark.engine.speculative import SpeculativeRunner
+from dspark.kv_cache import PagedKVCache
+from dspark.models.decoder import CausalLM
 from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
-from dspark.models.qwen3 import CausalLM
 from dspark.models.tokenizer import TextTokenizer
-from dspark.spec import measure
-from dspark.spec.profile import load_cached, profile_key, save_cached
-from dspark.spec.round import GateConfig
+from dspark.spec.policies import NoSpeculation, make_policy
+from dspark.spec.profile import StepProfile
 
 
 def default_spec(model: str | Path | None) -> tuple[str | None, str]:
@@ -34,6 +41,22 @@ def default_spec(model: str | Path | None) -> tuple[str | None, str]:
     if path in BUILTIN_MODELS.values() and shipped.is_file():
         return "dspark", "dspark"
     return None, "none"
+
+
+def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, drafter: Drafter | None = None,
+             policy: str = "none", profile: StepProfile | None = None, gate: GateConfig | None = None) -> LLMEngine:
+    """An engine over a fresh KV cache: speculative with a drafter and a policy other than
+    `none` (the drafter is bound to the model here), plain otherwise."""
+    if cfg.num_kv_blocks:
+        kv = PagedKVCache(model.config, cfg.num_kv_blocks, cfg.block_size, model.device, model.dtype)
+    else:
+        kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
+    chosen = make_policy(policy)
+    runner: Runner = ModelRunner(model, kv)
+    if drafter is not None and not isinstance(chosen, NoSpeculation):
+        drafter.bind(model, kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)
+        runner = SpeculativeRunner(ModelRunner(model, kv), drafter, chosen, profile, gate)
+    return LLMEngine(model, tokenizer, cfg, kv, runner)
 
 
 def build_engine(model: str | Path | None = None, drafter: str | None = None, policy: str | None = None,
@@ -72,16 +95,13 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     if draft_vocab and not isinstance(d, NeuralDrafter):
         raise ValueError(f"the {d.config.kind} drafter has no LM head to restrict (--draft-vocab)")
     ids = top_ids(path, draft_vocab) if draft_vocab else None
-    engine = LLMEngine(net, tok, cfg, drafter=d, policy=policy, gate=gate)
-    if ids is not None:
-        d.restrict_vocab(ids)  # type: ignore[union-attr]
-    if d is not None and engine.policy.needs_cost and profile != "off":
-        name = f"{drafter}:{d.config.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
-        key = profile_key(str(path), name, cfg.device, cfg.dtype, d.config.gamma,
-                          cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        prof = None if profile == "refresh" else load_cached(key)
-        if prof is None:
-            prof = measure.measure(engine, key)
-            save_cached(prof)
-        engine.runner.set_profile(prof)  # type: ignore[union-attr]
+    engine = assemble(net, tok, cfg, drafter=d, policy=policy, gate=gate)
+    if ids is not None and isinstance(d, NeuralDrafter):
+        d.restrict_vocab(ids)
+    runner = engine.runner
+    if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":
+        name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
+        key = profiler.profile_key(str(path), name, cfg.device, cfg.dtype, runner.gamma,
+                                   cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        runner.set_profile(profiler.cached_or_measured(engine, runner, key, refresh=profile == "refresh"))
     return engine

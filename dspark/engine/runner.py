@@ -1,25 +1,30 @@
-"""One engine step on the model: build the flat batch, run the target, sample.
+"""The `Runner` interface and the plain runner: one engine step on the model.
 
-The runner touches tensors only, never queues: it receives the scheduler's choice, feeds
+A runner touches tensors only, never queues: it receives the scheduler's choice, feeds
 each request's new tokens through one flattened target forward (`engine/batch.py`) and
-returns the tokens each request emits. Speculative steps (draft -> policy -> verify) are
-in `spec/round.py` and reuse `sampling_rows` and `target_forward` from here.
+returns the tokens each request emits. `ModelRunner` decodes plainly; the speculative runner
+(`engine/speculative.py`: draft -> policy -> verify) reuses `sampling_rows` and
+`target_forward` from here. The factory (`engine/factory.py`) builds the one an engine runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from dspark.device import upload
+from dspark.drafters.base import Drafter
 from dspark.engine.batch import Batch, BatchRow
 from dspark.engine.request import Request
 from dspark.engine.scheduler import ScheduledRequest
 from dspark.kv_cache import PagedKVCache
-from dspark.models.qwen3 import CausalLM, ForwardOutput
+from dspark.models.decoder import CausalLM, ForwardOutput
 from dspark.sampling import SamplingRows, draw
+from dspark.spec.policies import NoSpeculation, Policy
+from dspark.spec.profile import StepProfile
 
 
 @dataclass
@@ -30,7 +35,7 @@ class StepResult:
     logprobs: dict[str, list[dict]] = field(default_factory=dict)
     num_computed: dict[str, int] = field(default_factory=dict)  # KV length to keep per request
     num_forward_tokens: int = 0
-    request_ids: list[str] = field(default_factory=list)  # the requests this step ran
+    drafter_ran: bool = False  # the drafter proposed tokens this step
     # speculative bookkeeping (empty under plain decoding)
     drafted: dict[str, int] = field(default_factory=dict)  # draft tokens proposed per request
     verified: dict[str, int] = field(default_factory=dict)  # l_r per request
@@ -56,10 +61,51 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> list
     return out
 
 
+class Runner(Protocol):
+    """What the engine asks of a runner, plain or speculative."""
+
+    @property
+    def gamma(self) -> int:
+        """Draft slots per request the scheduler reserves by default (0: plain decoding)."""
+        ...
+
+    @property
+    def drafter(self) -> Drafter | None: ...
+
+    @property
+    def policy(self) -> Policy: ...
+
+    @property
+    def profile(self) -> StepProfile | None: ...
+
+    def lookahead(self) -> int | None:
+        """Draft slots to reserve next step (None: the default, `gamma`)."""
+        ...
+
+    def release(self, seq_id: str) -> None:
+        """A request finished or was preempted: drop whatever the runner keeps for it."""
+        ...
+
+    def set_profile(self, profile: StepProfile) -> None:
+        """Use this step-cost profile from now on."""
+        ...
+
+    def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
+        """Run one forward for the scheduled requests; the tokens each emits."""
+        ...
+
+
 class ModelRunner:
+    """The plain runner: one target forward, one sampled token per request where due."""
+
+    gamma = 0
+    drafter: Drafter | None = None
+    profile: StepProfile | None = None
+
     def __init__(self, model: CausalLM, kv: PagedKVCache) -> None:
         self.model, self.kv = model, kv
         self.device = model.device
+        self.policy: Policy = NoSpeculation()
 
     @torch.inference_mode()
     def target_forward(self, rows: Sequence[BatchRow], taps: Sequence[int] = ()) -> tuple[Batch, ForwardOutput]:
@@ -73,6 +119,10 @@ class ModelRunner:
 
     def release(self, seq_id: str) -> None:
         """A request finished or was preempted; plain decoding keeps no extra state."""
+
+    def set_profile(self, profile: StepProfile) -> None:
+        """Plain decoding weighs no costs; the profile is kept for whoever reads it."""
+        self.profile = profile
 
     @staticmethod
     def plain_row(s: ScheduledRequest) -> BatchRow:

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dspark.config import ModelConfig, resolve_dtype
-from dspark.models.qwen3 import CausalLM
+from dspark.models.decoder import CausalLM
 from dspark.models.tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 from dspark.engine.engine import LLMEngine
+from dspark.engine.output import StepFailed
 from dspark.engine.request import Request, Status
 from dspark.sampling import SamplingParams
 from dspark.server.metrics import RequestMeter, ServerMetrics
@@ -86,32 +87,6 @@ class _Live:
     pieces: int = 0  # text pieces of the request's detokenizer already handed to the stream
 
 
-class StepProbe:
-    """Remembers the scheduler's plan of the current step.
-
-    A stand-in for an engine hook: `LLMEngine.step()` does not say what it scheduled, and
-    the server needs it for the verification-budget metric and to know whom a raising step
-    hurt. It wraps the scheduler's `schedule` on this one engine instance.
-    """
-
-    def __init__(self, engine: LLMEngine) -> None:
-        self.plan: Any = None
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is None or not hasattr(scheduler, "schedule"):
-            return
-        inner = scheduler.schedule
-
-        def schedule(*args: Any, **kwargs: Any) -> Any:
-            self.plan = inner(*args, **kwargs)
-            return self.plan
-
-        scheduler.schedule = schedule
-
-    def scheduled_ids(self) -> list[str] | None:
-        scheduled = getattr(self.plan, "scheduled", None)
-        return None if scheduled is None else [s.request.request_id for s in scheduled]
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, capacity: int | None = None) -> None:
         self.engine, self.metrics = engine, metrics
@@ -122,7 +97,6 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._probe = StepProbe(engine)
         self._stalled = False
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
@@ -258,25 +232,21 @@ class AsyncEngine:
         self._end(live.stream, error, "error")
 
     def _step(self) -> None:
-        self._probe.plan = None
-        before = getattr(self.engine, "last_step", None)
         try:
-            self.engine.step()
+            step = self.engine.step()
         except Exception as exc:
             log.exception("engine step failed")
             self.metrics.step_errors.inc()
-            victims = self._probe.scheduled_ids()
-            if victims is None:  # no plan seen: everything that could have been in the step
+            if isinstance(exc, StepFailed):
+                victims = exc.request_ids
+            else:  # it failed before it ran: everything that could have been in the step
                 victims = [rid for rid, lv in self._live.items() if lv.req.status is Status.RUNNING]
             for rid in victims or list(self._live):
                 self._fail(rid, ApiError(500, f"the engine failed on this request: {exc}", code="engine_error"))
             return
-        plan, result = self._probe.plan, getattr(self.engine, "last_step", None)
-        self._stalled = plan is not None and not getattr(plan, "scheduled", True)
-        if result is not None and result is not before:  # the target's forward: prefill + sum(1 + l_r)
-            self.metrics.observe_verification_budget(int(result.num_forward_tokens))
-        elif plan is not None and not self._stalled:  # engines without last_step: what was scheduled
-            self.metrics.observe_verification_budget(int(plan.num_tokens))
+        self._stalled = not step.ran
+        if step.ran:  # the target's forward: prefill + sum(1 + l_r)
+            self.metrics.observe_verification_budget(step.num_forward_tokens)
         self._publish(time.perf_counter())
 
     def _publish(self, now: float) -> None:

@@ -66,7 +66,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 
 def drafter_name(engine: LLMEngine) -> str | None:
-    drafter = getattr(engine, "drafter", None)
+    drafter = engine.drafter
     return None if drafter is None else f"{drafter.config.kind}:{drafter.config.gamma}"
 
 

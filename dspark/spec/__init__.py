@@ -1,1 +1,1 @@
-"""Speculative decoding: verification, policies, acceptance statistics, step-cost profile, calibration."""
+"""The speculative-decoding mathematics: verification, policies, acceptance statistics, the step-cost profile and STS calibration (pure functions and small state; no engine)."""

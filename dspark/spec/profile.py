@@ -8,35 +8,20 @@ context and load. Every target forward updates one smoothed machine scale (`veri
 which moves every batch shape alike, the drafter's too: a neighbour that slows the machine
 slows drafting as much as verifying. Drafted steps, rare when the gate is closed, update the
 drafter's own correction on top of it (`draft_scale`, e.g. for catching up a long pending
-context). (A scale per grid bucket learned the cost of the shapes that run all the time, plain
-steps, and kept the start-up cost of the drafted shapes that rarely run; a drafter scale of
-its own went stale the same way when the machine slowed: biased comparisons that opened the
-gate on hostile traffic.)
+context). One scale for every shape keeps the rarely run drafted shapes as current as the
+plain steps that run all the time.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
-Profiles are cached in `$DSPARK_PROFILE_DIR` (default `~/.cache/dspark/profiles`).
+This file holds the profile's data and arithmetic; measuring it and its on-disk cache are in
+`engine/profiler.py`.
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
 import json
-import os
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import torch
-
-CACHE_ENV = "DSPARK_PROFILE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where profiles are cached: $DSPARK_PROFILE_DIR, else ~/.cache/dspark/profiles (read at
-    each call, so a test or a second deployment can point it elsewhere)."""
-    return Path(os.environ.get(CACHE_ENV) or "~/.cache/dspark/profiles").expanduser()
 
 
 def interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -111,52 +96,9 @@ class StepProfile:
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
         raw = json.loads(text)
-        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections of profiles cached before session 6
+        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections an older cache file may hold
             raw.pop(old, None)
         return cls(**raw)
-
-
-def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int) -> str:
-    """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
-    request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
-    raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}")
-    return hashlib.sha1(raw.encode()).hexdigest()[:16]
-
-
-def grid(limit: int) -> list[int]:
-    out, x = [], 1
-    while x < limit:
-        out.append(x)
-        x = x + 1 if x < 4 else int(x * 1.5)
-    return sorted(set(out + [limit]))
-
-
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median wall seconds of fn() after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
-
-
-def load_cached(key: str) -> StepProfile | None:
-    path = cache_dir() / f"{key}.json"
-    return StepProfile.from_json(path.read_text()) if path.is_file() else None
-
-
-def save_cached(profile: StepProfile) -> Path:
-    path = cache_dir() / f"{profile.key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(profile.to_json())
-    return path
 
 
 def plot(profile: StepProfile, path: str) -> None:

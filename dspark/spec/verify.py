@@ -1,4 +1,4 @@
-"""Lossless verification of variable-length draft prefixes (DESIGN.md §3.3).
+"""Lossless verification of variable-length draft prefixes (`docs/architecture.md`, Verification).
 
 For request r with l_r verified draft tokens x_1..x_l, draft distributions q_k and target
 distributions p_1..p_{l+1} (p_k from the target's logits at the token before x_k):

@@ -4,7 +4,7 @@ An anchor is a position p whose token and next token are both response tokens (a
 time every anchor is a token the target produced). Its block predicts p+1..p+gamma; the
 positions past the end of the sequence are masked out, so each block's labels are a
 contiguous valid prefix. Many anchors per sequence share one target pass; the attention
-mask of `drafters.dspark.block_mask` keeps every block to its own context.
+mask of `drafters.block.block_mask` keeps every block to its own context.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target (drafters join in [D]).
+"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target.
 
     dspark train corpus --out ~/.cache/dspark/corpus
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \
@@ -129,7 +129,7 @@ def run_target(args: argparse.Namespace) -> int:
 def run_eval_target(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from dspark.bench.report import stamp
+    from dspark.report import stamp
     from dspark.train.evaluate import EvalSettings, evaluate, render_markdown
 
     settings = EvalSettings(num_prompts=args.num_prompts, max_tokens=args.max_tokens, device=args.device)

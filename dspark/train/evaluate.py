@@ -142,12 +142,12 @@ def generation_stats(outs: list, domain: str, s: EvalSettings) -> dict[str, Any]
 def evaluate(model: str | Path, corpus_dir: str | Path, tokens_dir: str | Path,
              s: EvalSettings = EvalSettings()) -> dict[str, Any]:
     from dspark.config import EngineConfig
-    from dspark.engine.engine import LLMEngine
+    from dspark.engine.factory import assemble
     from dspark.models.loader import load_model
     from dspark.sampling import SamplingParams
 
     net, tok = load_model(model, s.device, s.dtype)
-    engine = LLMEngine(net, tok, EngineConfig(device=s.device, dtype=s.dtype, seed=s.seed,
+    engine = assemble(net, tok, EngineConfig(device=s.device, dtype=s.dtype, seed=s.seed,
                                               max_num_seqs=max(64, s.num_prompts)))
     greedy = SamplingParams(temperature=0.0, max_tokens=s.max_tokens)
     result: dict[str, Any] = {"model": str(model), "settings": asdict(s),
@@ -185,7 +185,7 @@ def _fence(text: str) -> str:
 
 
 def render_markdown(result: dict[str, Any]) -> str:
-    from dspark.bench.report import table
+    from dspark.report import table
 
     s = result["settings"]
     losses = result["heldout_loss"]

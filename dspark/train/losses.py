@@ -1,4 +1,4 @@
-"""Drafter losses (DESIGN.md §3.2), all over blocks [..., gamma] with a validity mask.
+"""Drafter losses (`docs/architecture.md`, Calibration and drafter training), all over blocks [..., gamma] with a validity mask.
 
 - DSpark: `0.1 * CE + 0.9 * L1 + 1.0 * conf`, each weighted per position by
   w_k = exp(-(k-1)/gamma); L1 = ||p_d - p_t||_1 (p_d includes the sequential bias,

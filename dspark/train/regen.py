@@ -1,5 +1,5 @@
 """`dspark train regen`: the target answers the training prompts, so drafters learn the
-target's own distribution rather than the dataset's (DESIGN.md §3.2).
+target's own distribution rather than the dataset's (`docs/architecture.md`, Calibration and drafter training).
 
 Chat-form records of every domain (math questions, code completion tasks, "explain"
 prompts) are rendered with the chat template and answered through the project's own

@@ -26,8 +26,8 @@ from torch.nn import functional as F
 from tqdm import tqdm
 
 from dspark.config import ModelConfig
+from dspark.models.decoder import CausalLM
 from dspark.models.loader import save_model
-from dspark.models.qwen3 import CausalLM
 from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.tokens import WindowSampler, heldout_windows, load_streams
 

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling (STS) of the confidence head (DESIGN.md §3.2).
+"""Sequential Temperature Scaling (STS) of the confidence head (`docs/architecture.md`, Calibration).
 
 Each c_k models P(x_k accepted | prefix accepted), so the survival a_k = prod_{i<=k} c_i
 should match the observed rate of "prefix accepted through k". For k = 1..gamma in order,

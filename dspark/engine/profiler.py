@@ -1,4 +1,4 @@
-"""Measure a `StepProfile` on the engine's own target, drafter and KV pool.
+"""Measure a `StepProfile` on the engine's own target, drafter and KV pool, and cache it.
 
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
@@ -6,18 +6,87 @@ step); drafter proposals are timed for R requests. Contexts are reserved in the 
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
 per-request state beside its cache (EAGLE-3/MTP's last feature) has it.
+
+Profiles are cached in `$DSPARK_PROFILE_DIR` (default `~/.cache/dspark/profiles`), keyed by
+everything their grids or timings depend on (`profile_key`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import time
+from pathlib import Path
 
 import torch
 
 from dspark.drafters.base import ContextRow, ProposeInput
 from dspark.engine.batch import BatchRow
+from dspark.engine.speculative import SpeculativeRunner
 from dspark.sampling import SamplingParams, SamplingRows
-from dspark.spec.profile import StepProfile, grid, timed
+from dspark.spec.profile import StepProfile
+
+CACHE_ENV = "DSPARK_PROFILE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where profiles are cached: $DSPARK_PROFILE_DIR, else ~/.cache/dspark/profiles (read at
+    each call, so a test or a second deployment can point it elsewhere)."""
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/dspark/profiles").expanduser()
+
+
+def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int) -> str:
+    """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
+    request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
+    raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
+           f"{torch.__version__}")
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def grid(limit: int) -> list[int]:
+    out, x = [], 1
+    while x < limit:
+        out.append(x)
+        x = x + 1 if x < 4 else int(x * 1.5)
+    return sorted(set(out + [limit]))
+
+
+def timed(fn, repeats: int, device: torch.device) -> float:
+    """Median wall seconds of fn() after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def load_cached(key: str) -> StepProfile | None:
+    path = cache_dir() / f"{key}.json"
+    return StepProfile.from_json(path.read_text()) if path.is_file() else None
+
+
+def save_cached(profile: StepProfile) -> Path:
+    path = cache_dir() / f"{profile.key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return path
+
+
+def cached_or_measured(engine, runner: SpeculativeRunner, key: str, refresh: bool = False) -> StepProfile:
+    """The cached profile under key, else (or when refresh) one measured now and cached."""
+    prof = None if refresh else load_cached(key)
+    if prof is None:
+        prof = measure(engine, runner, key)
+        save_cached(prof)
+    return prof
+
 
 
 def _reserve(pool, ids: list[str], length: int) -> None:
@@ -25,18 +94,18 @@ def _reserve(pool, ids: list[str], length: int) -> None:
         pool.append(sid, length)
 
 
-def synthetic_context(engine, ids: list[str], length: int) -> list[ContextRow]:
+def synthetic_context(engine, runner: SpeculativeRunner, ids: list[str], length: int) -> list[ContextRow]:
     """`length` committed tokens per throw-away id, with zero tapped features: written through
     the drafter's own `extend`, so every drafter holds what `propose` reads for a real request."""
-    taps, cfg = engine.runner.drafter.taps, engine.model.config
+    taps, cfg = runner.drafter.taps, engine.model.config
     feats = None
     if taps:
         feats = torch.zeros(length, len(taps) * cfg.hidden_size, device=engine.model.device, dtype=engine.model.dtype)
     return [ContextRow(sid, 0, [1] * length, feats) for sid in ids]
 
 
-def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepProfile:
-    runner = engine.runner
+def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256, repeats: int = 5) -> StepProfile:
+    """Time target forwards on the token grid and drafter proposals on the request grid."""
     base, drafter = runner.base, runner.drafter.measured  # a router's profile times its neural part
     gamma, pool = drafter.gamma, engine.kv.pool
     free, bs = pool.num_free_blocks, pool.block_size
@@ -71,7 +140,7 @@ def measure(engine, key: str, context_len: int = 256, repeats: int = 5) -> StepP
     with torch.inference_mode():
         verify_s = [verify_time(b) for b in tokens]
         try:
-            drafter.extend(synthetic_context(engine, ids, c))  # the state a real request has when drafted
+            drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             draft_s = [draft_time(inputs[:r]) for r in requests]
         finally:
             for sid in ids:

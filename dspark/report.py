@@ -1,5 +1,6 @@
-"""Where benchmark results go: JSON + markdown in an output directory, stamped with the
-machine, date, versions and the exact command that produced them (DESIGN.md §7)."""
+"""Where results go: JSON + markdown in an output directory, stamped with the machine, date,
+versions and the exact command that produced them; `table` and `cell` write markdown tables
+(one number format for every table the project writes)."""
 
 from __future__ import annotations
 
@@ -53,8 +54,14 @@ def write(out_dir: str | Path, name: str, payload: dict[str, Any], markdown: str
     return out / f"{name}.json", out / f"{name}.md"
 
 
+def cell(v: Any, digits: int = 3) -> str:
+    """One markdown table cell: a float to `digits` decimals, None as a dash, else str(v)."""
+    if v is None:
+        return "–"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
 def table(headers: list[str], rows: list[list[Any]]) -> str:
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"

@@ -21,8 +21,8 @@ from dspark.drafters.backbone import layer_config, layer_with_prefix
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
+from dspark.models.decoder import DecoderLayer
 from dspark.models.layers import RMSNorm, Rotary
-from dspark.models.qwen3 import DecoderLayer
 from dspark.sampling import SamplingRows
 
 

@@ -1,13 +1,13 @@
-"""`dspark bench targets`: the issue's benchmark targets checked against committed results.
+"""`dspark bench goals`: the project's benchmark goals checked against committed results.
 
 Reads offline.json, online.json, online-hostile.json and peers.json from one results
 directory (each written by its own `dspark bench` command, in one run per file, so every ratio
 compares configurations measured side by side), the same two online sweeps run with
 `--lockstep` from its `lockstep/` subdirectory, and the repeat checks in its other subdirectories
 (`REPEAT_CHECKS`: `none` and dspark:dspark only, eight runs each, for the cells where two runs
-are too few to tell the never-a-loss bar from noise) and writes targets.json and targets.md: each
-target's measured value, its bar, met or missed, and the file it came from. Nothing is
-measured here; a missing file leaves its targets "not measured".
+are too few to tell the never-a-loss bar from noise) and writes goals.json and goals.md: each
+goal's measured value, its bar, met or missed, and the file it came from. Nothing is
+measured here; a missing file leaves its goals "not measured".
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dspark.bench import report
+from dspark import report
 from dspark.bench.frontier import curve, speed_at_throughput
 from dspark.bench.summary import macro, ratio
+from dspark.report import cell
 
 SPEC = "dspark:dspark"
 
 
 @dataclass(frozen=True)
 class Check:
-    target: str
+    goal: str
     bar: float  # the measured value must be >= bar
     value: float | None  # None: not measured (file or configuration missing)
     source: str
@@ -54,7 +55,7 @@ def offline_checks(res: dict | None) -> list[Check]:
     taus = {d: mean_tau(d) for d in ("dspark", "eagle3", "dflash")}
     return [Check(f"offline τ (T = 1, γ = 7, domain macro): dspark / {other}", bar,
                   ratio(taus["dspark"], taus[other]), "offline.json",
-                  f"dspark {_f(taus['dspark'])}, {other} {_f(taus[other])}")
+                  f"dspark {cell(taus['dspark'])}, {other} {cell(taus[other])}")
             for other, bar in (("eagle3", 1.25), ("dflash", 1.15))]
 
 
@@ -160,18 +161,14 @@ def run(results: str | Path) -> dict:
     loaded = {name: _load(results, name) for name, _ in SECTIONS}
     checks = [c for name, fn in SECTIONS for c in fn(loaded[name])] + repeat_checks(results)
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
-    payload = {"benchmark": "targets", "results": str(results), "sources": sources,
+    payload = {"benchmark": "goals", "results": str(results), "sources": sources,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
-    md = ["# Benchmark targets (issue [B]) against the committed results\n\n",
-          "Read from the JSON files next to this one by `dspark bench targets`; each ratio comes from one run of "
+    md = ["# Benchmark goals against the committed results\n\n",
+          "Read from the JSON files next to this one by `dspark bench goals`; each ratio comes from one run of "
           "one benchmark command, configurations side by side. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
-          report.table(["target", "bar", "measured", "status", "source", "detail"],
-                       [[c.target, f"≥ {c.bar}", _f(c.value), c.status, c.source, c.detail] for c in checks])]
-    report.write(results, "targets", payload, "".join(md))
+          report.table(["goal", "bar", "measured", "status", "source", "detail"],
+                       [[c.goal, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
+    report.write(results, "goals", payload, "".join(md))
     print("".join(md))
     return payload
-
-
-def _f(v: float | None) -> str:
-    return "–" if v is None else f"{v:.3f}"

@@ -2,7 +2,7 @@
 
 Rollouts are real verification rounds: the drafter proposes, the full block is verified
 (`static:gamma`), and each round records the raw confidence logits and how many draft
-tokens were accepted. STS (spec/calibrate.py) is fitted on the rounds of every other prompt
+tokens were accepted. STS (`spec/sts.py`) is fitted on the rounds of every other prompt
 and scored on the rounds of the remaining prompts (so the reported ECE is out of sample); the temperatures are
 written into the drafter's config.json; ECE/AUROC/Brier per position before and after and
 a reliability diagram go to the output directory.
@@ -17,30 +17,33 @@ from pathlib import Path
 
 import torch
 
-from dspark.spec.calibrate import Calibration, fit_sts, survival
+from dspark import report
+from dspark.config import EngineConfig
+from dspark.engine.engine import LLMEngine
+from dspark.engine.factory import build_engine
+from dspark.engine.speculative import SpeculativeRunner
+from dspark.sampling import SamplingParams
+from dspark.spec.sts import Calibration, fit_sts, survival
 
 
-def rollout_engine(model: str | None, drafter: str):
+def rollout_engine(model: str | None, drafter: str) -> LLMEngine:
     """An engine that verifies every drafted position (static:64 is capped at the drafter's gamma)."""
-    from dspark.config import EngineConfig
-    from dspark.engine.factory import build_engine
-
     return build_engine(model, drafter, "static:64", EngineConfig(max_num_seqs=16), profile="off")
 
 
-def collect(engine, prompts: list[str], max_tokens: int, temperature: float,
+def collect(engine: LLMEngine, prompts: list[str], max_tokens: int, temperature: float,
             seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """-> conf logits [N, g] and accepted [N] over all full-block rounds of these prompts."""
-    from dspark.sampling import SamplingParams
-
     runner = engine.runner
-    runner.recorder = []  # type: ignore[union-attr]
-    gamma = engine.drafter.gamma  # type: ignore[union-attr]
+    if not isinstance(runner, SpeculativeRunner):
+        raise ValueError("calibration rollouts need a speculative engine (a drafter and a policy)")
+    runner.recorder = []
+    gamma = runner.gamma
     reqs = [engine.add_request(p, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed + i))
             for i, p in enumerate(prompts)]
     engine.run_until_done(reqs)
     logits, accepted = [], []
-    for conf, lengths, acc in runner.recorder:  # type: ignore[union-attr]
+    for conf, lengths, acc in runner.recorder:
         for i, ell in enumerate(lengths):
             if ell == gamma:  # full block verified: every outcome y_k observed
                 logits.append(conf[i])
@@ -110,8 +113,6 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
         raw = json.loads(cfg_path.read_text())
         raw["sts_temperatures"] = [round(t, 5) for t in temps]
         cfg_path.write_text(json.dumps(raw, indent=2))
-    from dspark.bench import report
-
     rows = [[k + 1, b["ece"], a["ece"], b["auroc"] or float("nan"), a["auroc"] or float("nan"), b["brier"], a["brier"],
              a["observed"]] for k, (b, a) in enumerate(zip(cal.before, cal.after, strict=True))]
     md = (f"# STS calibration of `{drafter_dir}`\n\nTemperatures fitted on the full-block rounds of half the prompts; "

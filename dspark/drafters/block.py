@@ -3,7 +3,7 @@
 One parallel backbone pass over the anchor-first block `[x0, mask, ..., mask]` gives base
 logits U_1..U_gamma; the sequential head then samples left to right from
 softmax((U_k + B_k) / T) with top-p/top-k, and the confidence head scores each position
-from [h_k; W1[x_{k-1}]] (DESIGN.md §3.1). `train_forward` is the teacher-forced version
+from [h_k; W1[x_{k-1}]] (`docs/architecture.md`, The DSpark drafter). `train_forward` is the teacher-forced version
 used by training; `propose` is what the engine calls.
 """
 
@@ -22,7 +22,7 @@ from dspark.models.attention import AttentionMetadata
 from dspark.sampling import SamplingRows
 
 
-class DSparkDrafter(NeuralDrafter):
+class BlockDrafter(NeuralDrafter):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__(config)
         self.cache_layers = config.num_layers

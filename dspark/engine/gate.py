@@ -1,0 +1,160 @@
+"""The never-slower gate: whether drafting pays this step, judged from history only.
+
+The gate decides *before* drafting, from the step-cost profile and the acceptance of earlier
+steps (never this step's draft tokens), whether a drafted step beats a plain one; if not, the
+step decodes plainly without calling the drafter, probing again at growing intervals. It
+never sees a draft token, so it cannot change what is emitted (losslessness holds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dspark.spec.policies import algorithm1, uniform_candidates
+from dspark.spec.profile import StepProfile
+from dspark.spec.stats import AcceptanceStats
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    enabled: bool = True
+    probe_every: int = 8  # first probe after this many undrafted steps; doubles while drafting loses
+    probe_max: int = 256  # the interval stops doubling here where probes are cheap ...
+    probe_budget: float = 0.0025  # ... and further out where they are not: probes (their cost beyond a plain
+    # step, from the profile) add at most this fraction to the steps between them (0: off)
+    probe_ceiling: int = 4096  # the interval never grows past this (new traffic is found within it)
+    explore_budget: float = 0.02  # while the interval doubles, it is at least long enough that a probe's
+    # extra cost is this fraction of the steps before the next one (0: off): on a fresh engine the
+    # doubling alone probed at steps 8, 24, 56, 120, 248, about 2% of a 512-step run at one request
+    recheck_every: int = 16  # a cached verdict is recomputed at least this often (the profile drifts online)
+    probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
+    caution: float = 1.0  # standard errors taken off the acceptance estimates before judging: opening
+    # on a few lucky probe observations drafts for every request, a loss when the luck does not hold
+
+
+class Gate:
+    """Predicts whether drafting pays, from history only (lossless).
+
+    The gate judges the *decode-alone* shape (the decoding requests, no prefill chunks). A step
+    that shares its forward with prefill chunks looks as if a few draft tokens were free (the
+    chunks make the forward slow anyway), but opening there drafts for every request after a
+    closed spell, each first catching up its whole pending context, a cost the profile's draft
+    time (measured with the context already written) does not hold. Once open, Algorithm 1 still sizes
+    the budget with the prefill tokens counted. The verdict depends on the number of requests, the
+    acceptance estimates and the profile; it is cached until one of the first two changes or
+    `recheck_every` steps pass, so a closed gate costs a dictionary lookup per step. Behind a
+    router (`auto`), the drafter's cost is weighed for the share of requests the router has lately
+    given its costly drafter (the copy drafter costs about nothing), not for all of them.
+    """
+
+    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
+        self.cfg, self.stats, self.profile = cfg, stats, profile
+        self.wait, self.interval = 0, cfg.probe_every
+        self.probing = False
+        self.open = True  # the last verdict (slots are reserved for the first step)
+        self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
+        self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
+
+    def cost(self, r: float, b: int) -> float:
+        """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
+        assert self.profile is not None
+        k = r * self.draft_share  # below one request: a run for one in that fraction of the steps
+        return (self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)) + self.profile.verify(b)
+
+    def observe_share(self, drafted: int, requests: int) -> None:
+        self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
+
+    @property
+    def idle(self) -> bool:
+        """Disabled, or no profile to judge by: every step with slots drafts."""
+        return not self.cfg.enabled or self.profile is None
+
+    def should_draft(self, num_requests: int, caps: Sequence[int]) -> bool:
+        """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not."""
+        self.probing = False
+        if self.idle:
+            return True
+        if self.judge(num_requests, caps):
+            return True
+        self.wait += 1
+        if self.wait >= self.interval:  # probe: refresh the acceptance estimates
+            longest = self.longest_interval(num_requests)
+            self.wait, self.interval = 0, min(longest, max(self.interval * 2, self.shortest_interval(num_requests)))
+            self.probing = True
+            return True
+        return False
+
+    def longest_interval(self, num_requests: int) -> int:
+        """probe_max, or more where a probe costs more than probe_budget of the plain steps
+        between probes (a probe drafts, then verifies more tokens than a plain step would)."""
+        if not self.cfg.probe_budget or self.profile is None:
+            return self.cfg.probe_max
+        extra = self.probe_cost(num_requests)
+        return min(self.cfg.probe_ceiling, max(self.cfg.probe_max, math.ceil(extra / self.cfg.probe_budget)))
+
+    def shortest_interval(self, num_requests: int) -> int:
+        """The fewest steps to the next probe: its extra cost at most explore_budget of them."""
+        if not self.cfg.explore_budget or self.profile is None:
+            return 1
+        return math.ceil(self.probe_cost(num_requests) / self.cfg.explore_budget)
+
+    def probe_cost(self, num_requests: int) -> float:
+        """What a probe adds to a plain step of these requests, in plain steps (from the profile)."""
+        assert self.profile is not None
+        k = min(self.cfg.probe_requests, num_requests)
+        plain = self.profile.verify(num_requests)
+        return max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
+
+    def withheld(self, num_requests: int, gamma: int) -> None:
+        """A step scheduled without draft slots (the gate was closed): advance the probe clock
+        and judge whether drafting would pay now, so that the next step reserves slots."""
+        self.probing = False
+        if self.idle:
+            return
+        if not self.judge(num_requests, [gamma] * num_requests):
+            self.wait += 1
+
+    def judge(self, num_requests: int, caps: Sequence[int]) -> bool:
+        """The verdict for decoding these requests alone, remembered as `open`. When it pays, the
+        probe backoff restarts, so that after the next close the gate probes soon again."""
+        self.open = self.pays(num_requests, caps)
+        if self.open:
+            self.interval = self.cfg.probe_every
+        return self.open
+
+    def wants_slots(self) -> bool:
+        """Whether the next step should reserve draft slots (KV and token budget). A closed gate
+        withholds them: reserving and rolling back γ slots per request on every step slowed plain
+        decoding at 16 requests (`docs/results/hostile-c16*`)."""
+        return self.idle or self.open or self.wait + 1 >= self.interval
+
+    def probe_subset(self, decode: Sequence, step: int) -> list:
+        """The requests a probe drafts for: a window of `probe_requests`, rotating with the step,
+        so a probe at 64 requests costs a draft for two, not for 64."""
+        k = self.cfg.probe_requests
+        if len(decode) <= k:
+            return list(decode)
+        return [decode[(step + i) % len(decode)] for i in range(k)]
+
+    def pays(self, num_requests: int, caps: Sequence[int]) -> bool:
+        key = (num_requests, tuple(caps), self.stats.version)
+        if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
+            self.memo = (key, self.memo[1] + 1, self.memo[2])
+            return self.memo[2]
+        verdict = self.predict(num_requests, caps)
+        self.memo = (key, 1, verdict)
+        return verdict
+
+    def predict(self, num_requests: int, caps: Sequence[int]) -> bool:
+        """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?"""
+        assert self.profile is not None
+        cands = uniform_candidates(self.stats.lower(self.cfg.caution), caps)
+        admitted = algorithm1(cands, num_requests, 0, self.cost)
+        gain = sum(c.survival for c in cands[:admitted])
+        spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)
+        plain = num_requests / self.profile.verify(num_requests)
+        return spec > plain
+
+

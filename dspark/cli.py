@@ -18,7 +18,7 @@ import sys
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local HF-format directory or 'dspark-tiny' (default)")
+    p.add_argument("--model", default=None, help="local HF-format directory, 'dspark-small' (default) or 'dspark-tiny'")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: by device)")
 
@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_draft_vocab)
 
     x = sub.add_parser("export-drafter", help="write a dspark DSpark drafter as a DeepSpec or speculators checkpoint")
-    x.add_argument("--model", default=None, help="the target directory (default dspark-tiny)")
+    x.add_argument("--model", default=None, help="the target directory (default dspark-small)")
     x.add_argument("--drafter", default="dspark", help="a shipped name or a drafter directory")
     x.add_argument("--format", required=True, choices=["deepspec", "speculators"])
     x.add_argument("--out", required=True, help="output directory")

@@ -1,7 +1,7 @@
 """The public Python API: `LLM(model=...).generate(prompts, SamplingParams(...))`.
 
     from dspark import LLM, SamplingParams
-    llm = LLM()  # the embedded dspark-tiny model, dspark drafter and policy
+    llm = LLM()  # the embedded dspark-small model, its dspark drafter and the dspark policy
     out = llm.generate(["Explain list comprehensions."], SamplingParams(temperature=0, max_tokens=64))
     print(out[0].text, out[0].finish_reason, out[0].stats)
 """
@@ -23,7 +23,7 @@ class LLM:
                  profile: str = "auto", draft_vocab: int = 0, **engine_kwargs) -> None:
         """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | PATH; policy: none | static:K |
         threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
-        shipped dspark drafter and policy on dspark-tiny, plain decoding elsewhere).
+        shipped dspark drafter and policy on the built-in models, plain decoding elsewhere).
         draft_vocab: draft from the N most frequent tokens (0: all; `dspark draft-vocab`)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
         self.engine = build_engine(model, drafter, policy, cfg, gamma, profile, draft_vocab=draft_vocab)

@@ -53,3 +53,23 @@ def test_peers_quick(tmp_path):
     assert all(r["tokens"] > 0 for r in res["rows"])
     greedy = [r for r in res["rows"] if r.get("greedy_match_fraction") is not None and "lookup" not in r["system"]]
     assert greedy and all(r["greedy_match_fraction"] == 1.0 for r in greedy)  # lossless against transformers
+
+
+def test_steps_quick(tmp_path):
+    res = bench("steps", "--model", "dspark-tiny", "--configs", "none;dspark:static:3;ngram:static:3@0", out=tmp_path)
+    rows = res["results"]
+    assert rows["none"]["plain"]["n"] > 0 and "drafted" not in rows["none"]
+    assert rows["dspark:static:3"]["drafted"]["n"] > 0 and rows["dspark:static:3"]["drafted_over_plain"] > 0
+    assert "proposal / plain" in (tmp_path / "steps.md").read_text()
+
+
+def test_steps_config_errors():
+    from dspark.bench.steps import StepsSettings, parse_config, run
+
+    assert parse_config("none") == (None, "none", 0)
+    assert parse_config("dspark:static:7@2048") == ("dspark", "static:7", 2048)
+    for bad in ("dspark", "dspark:static:7@many", ":static:3"):
+        with pytest.raises(ValueError, match="config"):
+            parse_config(bad)
+    with pytest.raises(ValueError, match="include none"):
+        run(StepsSettings(configs=("dspark:static:7",)), "/tmp/unused")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark.models.loader import BUILTIN_MODELS, load_model
+from dspark.models.loader import BUILTIN_MODELS, DEFAULT_MODEL, load_model
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "Complete the following Python function:",
            "Explain the with statement."]
@@ -46,8 +46,9 @@ def test_dspark_small_is_deep_and_thin():
 def test_shipped_target_is_the_default_and_in_spec():
     net, tok = load_model(None)
     cfg = net.config
-    assert cfg.model_type == "qwen3" and cfg.num_hidden_layers >= 6 and cfg.max_position_embeddings >= 1024
-    assert 5e6 <= sum(p.numel() for p in net.parameters()) <= 15e6
+    assert DEFAULT_MODEL == "dspark-small" and net.config == load_model(DEFAULT_MODEL)[0].config
+    assert cfg.model_type == "qwen3" and cfg.num_hidden_layers >= 24 and cfg.max_position_embeddings >= 1024
+    assert 15e6 <= sum(p.numel() for p in net.parameters()) <= 30e6
     assert cfg.vocab_size == 8192 and tok.token_id("<|mask|>") is not None
     assert tok.token_id("<|im_end|>") in tok.eos_token_ids
 
@@ -62,3 +63,17 @@ def test_a_policy_without_a_drafter_uses_the_shipped_drafter(qwen3_dir):
     assert build_engine(None, policy="none").drafter is None
     with pytest.raises(ValueError, match="needs a drafter"):  # a model with no shipped drafter
         build_engine(str(qwen3_dir), policy="static:3", profile="off")
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_MODELS))
+def test_every_builtin_model_ships_its_drafters(name):
+    """Each built-in target carries dspark, dflash, eagle3 and mtp drafters trained for it, and
+    naming neither drafter nor policy gives the dspark drafter under the dspark policy."""
+    from dspark.drafters.registry import load_drafter
+    from dspark.engine.factory import default_spec
+
+    net, tok = load_model(name)
+    assert default_spec(name) == ("dspark", "dspark")
+    for kind in ("dspark", "dflash", "eagle3", "mtp"):
+        d = load_drafter(kind, BUILTIN_MODELS[name], net.config, tok.token_id("<|mask|>"))
+        assert d.config.kind == kind and max(d.config.taps) < net.config.num_hidden_layers

@@ -6,6 +6,7 @@
     dspark bench peers     single stream vs transformers generate() (greedy, prompt lookup)
     dspark bench soak      the server under mixed load and faults for --duration s: RSS, KV pool, errors
     dspark bench host      per-step host time near the start vs the end of a 4,000-token generation
+    dspark bench steps     the anatomy of a drafted step against a plain one (proposal / plain, drafted / plain)
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _out(args: argparse.Namespace, name: str) -> str:
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="built-in name or HF-format directory (default dspark-tiny)")
+    p.add_argument("--model", default=None, help="built-in name or HF-format directory (default dspark-small)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     p.add_argument("--out", default=None, help="output directory (default docs/results, --quick: /tmp)")
     p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (never a speed claim)")
@@ -117,6 +118,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     h.add_argument("--drafters", type=_names, default=["eagle3", "dspark", "ngram"], help="besides plain decoding")
     h.add_argument("--out", default=None, help="output directory (default docs/results)")
     h.set_defaults(func=run_host)
+
+    a = sub.add_parser("steps", help="the anatomy of a drafted step against a plain one, side by side")
+    _common(a)
+    a.add_argument("--configs", type=lambda s: [c.strip() for c in s.split(";") if c.strip()], default=None,
+                   help="';'-separated: none;DRAFTER:POLICY[@N] (default none;dspark:static:7;dspark:dspark)")
+    a.add_argument("--num-prompts", type=int, default=None, help="per dataset (gsm8k, humaneval, mt-bench)")
+    a.add_argument("--max-tokens", type=int, default=None)
+    a.add_argument("--repeats", type=int, default=None)
+    a.set_defaults(func=run_steps)
 
     t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
@@ -211,4 +221,20 @@ def run_host(args: argparse.Namespace) -> int:
     from dspark.report import DEFAULT_OUT
 
     host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or DEFAULT_OUT)
+    return 0
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    from dspark.bench import steps
+    from dspark.report import cell
+
+    fields = {"num_prompts": 1, "max_tokens": 16, "repeats": 1} if args.quick else {}
+    fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
+                         repeats="repeats"))
+    if args.configs is not None:
+        fields["configs"] = tuple(args.configs)
+    data = steps.run(steps.StepsSettings(**fields), _out(args, "steps"))
+    for name, r in data["results"].items():
+        print(f"{name:28s} {r['tok_s']:7.1f} tok/s  x{r['speedup']:.2f}  proposal/plain {cell(r['proposal_over_plain'], 2)}"
+              f"  drafted/plain {cell(r['drafted_over_plain'], 2)}")
     return 0

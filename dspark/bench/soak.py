@@ -50,7 +50,7 @@ GAUGES = ("dspark_kv_blocks_used", "dspark_kv_blocks_free", "dspark_requests_run
 
 @dataclass(frozen=True)
 class SoakSettings:
-    model: str | None = None  # default: the shipped dspark-tiny
+    model: str | None = None  # default: the shipped default model
     device: str | None = None  # default: cuda when available
     duration_s: float = 1200.0
     clients: int = 12

@@ -1,7 +1,7 @@
 """Build an engine: from names (`build_engine`, what `LLM(...)` and the CLI call) or from
 loaded parts (`assemble`: KV cache, runner, engine).
 
-    build_engine("dspark-tiny", drafter="dspark", policy="dspark", gamma=7)
+    build_engine("dspark-small", drafter="dspark", policy="dspark", gamma=7)
     assemble(model, tokenizer, EngineConfig(), drafter=d, policy="static:3")
 
 On the embedded model the defaults are the shipped `dspark` drafter and the `dspark`
@@ -75,7 +75,7 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     if drafter is None and policy is None:
         drafter, policy = default_drafter, default_policy
     if drafter is None and policy not in (None, "none"):
-        drafter = default_drafter  # e.g. `--policy static:7` on dspark-tiny uses its shipped drafter
+        drafter = default_drafter  # e.g. `--policy static:7` on a built-in model uses its shipped drafter
     policy = policy or ("dspark" if drafter else "none")
     if policy != "none" and not drafter:
         raise ValueError(f"policy {policy!r} needs a drafter (--drafter dspark|dflash|eagle3|mtp|ngram|suffix|auto|PATH)")

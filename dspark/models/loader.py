@@ -21,7 +21,7 @@ from dspark.models.tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_MODELS = {"dspark-tiny": ASSETS / "dspark-tiny" / "target", "dspark-small": ASSETS / "dspark-small" / "target"}
-DEFAULT_MODEL = "dspark-tiny"
+DEFAULT_MODEL = "dspark-small"
 
 
 def resolve_model_path(model: str | Path | None) -> Path:

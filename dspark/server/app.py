@@ -1,7 +1,7 @@
 """The OpenAI-compatible FastAPI app: /v1/completions, /v1/chat/completions, /v1/models,
 /health and /metrics, over one `AsyncEngine`; with an API key, `/v1/*` needs it (auth.py).
 
-    app = create_app(engine, ServeSettings(model_name="dspark-tiny"))
+    app = create_app(engine, ServeSettings(model_name="dspark-small"))
     uvicorn.run(app)             # or `dspark serve`; the engine thread starts with the app
 
 A route parses and validates the body (400/404 before anything is queued), renders the
@@ -42,7 +42,7 @@ log = logging.getLogger("dspark.server")
 
 @dataclass(frozen=True)
 class ServeSettings:
-    model_name: str = "dspark-tiny"
+    model_name: str = "dspark-small"
     max_waiting: int | None = 256  # requests queued beyond the running batch; more: 503
     retry_after_s: int = 1
     drafter: str | None = None  # what /v1/models reports; the engine holds the real ones

@@ -27,8 +27,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default=None, help="dspark | dflash | eagle3 | mtp | ngram | suffix | auto (dspark+suffix) | NAME+suffix | PATH")
     p.add_argument("--policy", default=None, help="none | static:K | threshold:T | dspark | dspark-async")
     p.add_argument("--gamma", type=int, default=None, help="draft block size (<= the drafter's)")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="draft from the N most frequent tokens (0: all; counts from `dspark draft-vocab`)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft from the N most frequent tokens (0: all; default: the drafter's own setting; "
+                        "counts from `dspark draft-vocab`)")
 
 
 def engine_config(args: argparse.Namespace, **extra):

@@ -20,11 +20,12 @@ from dspark.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
                  drafter: str | None = None, policy: str | None = None, gamma: int | None = None,
-                 profile: str = "auto", draft_vocab: int = 0, **engine_kwargs) -> None:
+                 profile: str = "auto", draft_vocab: int | None = None, **engine_kwargs) -> None:
         """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | PATH; policy: none | static:K |
         threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
         shipped dspark drafter and policy on the built-in models, plain decoding elsewhere).
-        draft_vocab: draft from the N most frequent tokens (0: all; `dspark draft-vocab`)."""
+        draft_vocab: draft from the N most frequent tokens (0: all; None: the drafter's own setting;
+        `dspark draft-vocab`)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
         self.engine = build_engine(model, drafter, policy, cfg, gamma, profile, draft_vocab=draft_vocab)
         self.tokenizer = self.engine.tokenizer

@@ -141,3 +141,24 @@ def test_expected_counts_sum_the_targets_distributions(qwen3_dir):
     assert counts.most_common(1)[0][0] == top and counts[top] == pytest.approx(float(probs[top]), rel=1e-5)
     text = expected_counts([{"text": "def add(a, b): return a + b"}], net, tok)
     assert sum(text.values()) == pytest.approx(len(tok.encode("def add(a, b): return a + b")) - 1, rel=1e-5)
+
+
+def test_a_drafter_ships_its_draft_vocabulary(tmp_path, qwen3_dir):
+    """`serve_vocab` in a drafter's config is the draft vocabulary used when the caller names none
+    (where the model has token counts); an explicit size, 0 included, overrides it."""
+    from dspark.drafters.vocab import FILE
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_dir, model)
+    net, tok = load_model(model)
+    d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, serve_vocab=16))
+    save_drafter(d, d.config, tmp_path / "drafter")
+    # no token counts: the default falls back to every token
+    assert build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off").drafter.vocab_ids is None
+    (model / FILE).write_text(json.dumps({"source": "test", "kind": "sampled", "total": 64,
+                                          "ids": list(range(64)), "counts": [1] * 64}))
+    engine = build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off")
+    assert engine.drafter.vocab_ids.tolist() == list(range(16))
+    assert build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off", draft_vocab=0).drafter.vocab_ids is None
+    assert len(build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off",
+                            draft_vocab=32).drafter.vocab_ids) == 32

@@ -48,8 +48,9 @@ class StepsSettings:
     device: str | None = None  # default: cuda when available
 
 
-def parse_config(name: str) -> tuple[str | None, str, int]:
-    """'none' -> (None, 'none', 0); 'dspark:static:7@2048' -> ('dspark', 'static:7', 2048)."""
+def parse_config(name: str) -> tuple[str | None, str, int | None]:
+    """'none' -> (None, 'none', 0); 'dspark:static:7@2048' -> ('dspark', 'static:7', 2048);
+    without '@' the drafter's own draft vocabulary (None); '@0' every token."""
     spec, _, vocab = name.partition("@")
     if spec == "none":
         return None, "none", 0
@@ -58,7 +59,7 @@ def parse_config(name: str) -> tuple[str | None, str, int]:
         raise ValueError(f"config {name!r}: use none or DRAFTER:POLICY[@N], e.g. dspark:static:7@2048")
     if vocab and not vocab.isdigit():
         raise ValueError(f"config {name!r}: the draft vocabulary after @ must be a number of tokens")
-    return drafter, policy, int(vocab or 0)
+    return drafter, policy, int(vocab) if vocab else None
 
 
 def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, sync) -> list[tuple[bool, float, dict, int]]:

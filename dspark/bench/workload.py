@@ -101,13 +101,12 @@ class Spec:
         return base if self.copy == 1 else f"{base}#{self.copy}"
 
 
-def split_drafter(name: str) -> tuple[str, int]:
-    """'dspark@2048' -> ('dspark', 2048): the drafter and its draft vocabulary (0: every token)."""
+def split_drafter(name: str) -> tuple[str, int | None]:
+    """'dspark@2048' -> ('dspark', 2048): the drafter and its draft vocabulary ('@0': every token;
+    no '@': None, the drafter's own setting)."""
     base, sep, size = name.rpartition("@")
     if not sep or not size.isdigit() or not base:
-        return name, 0
-    if int(size) < 1:
-        raise ValueError(f"drafter {name!r}: the draft vocabulary after '@' must be a positive size")
+        return name, None
     return base, int(size)
 
 

@@ -59,6 +59,7 @@ class DrafterConfig:
     anchor_slot: bool = True  # the anchor's own slot predicts x_1 (DSpark); False: slot k predicts x_k (DFlash)
     confidence_markov: bool = True  # the confidence head reads [h_k; W1[x_{k-1}]]; False: h_k alone
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
+    serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
     split_entry: bool = False  # EAGLE-3 as published: attention reads [norm(emb); norm(g)], g the residual
     norm_before_residual: bool = False  # EAGLE-3 (split_entry): the residual is norm(g), not g

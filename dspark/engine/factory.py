@@ -20,6 +20,7 @@ from dspark.config import EngineConfig
 from dspark.drafters.base import Drafter
 from dspark.drafters.neural import NeuralDrafter
 from dspark.drafters.registry import load_drafter
+from dspark.drafters.vocab import FILE as COUNTS_FILE
 from dspark.drafters.vocab import top_ids
 from dspark.engine import profiler
 from dspark.engine.engine import LLMEngine
@@ -59,13 +60,22 @@ def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, draft
     return LLMEngine(model, tokenizer, cfg, kv, runner)
 
 
+def default_vocab(d: Drafter | None, path: Path) -> int:
+    """The draft vocabulary a drafter ships with (`serve_vocab`), where the model has the token counts
+    that rank it; 0 (every token) otherwise."""
+    if isinstance(d, NeuralDrafter) and d.config.serve_vocab and (path / COUNTS_FILE).is_file():
+        return d.config.serve_vocab
+    return 0
+
+
 def build_engine(model: str | Path | None = None, drafter: str | None = None, policy: str | None = None,
                  cfg: EngineConfig | None = None, gamma: int | None = None, profile: str = "auto",
                  gate: GateConfig | None = None, loaded: tuple[CausalLM, TextTokenizer] | None = None,
-                 draft_vocab: int = 0) -> LLMEngine:
+                 draft_vocab: int | None = None) -> LLMEngine:
     """profile: 'auto' (cached or measured), 'refresh' (always measure), 'off' (no costs).
     draft_vocab: draft from the N most frequent tokens of the model's `token_counts.json`
-    (0: the whole vocabulary; `dspark/drafters/vocab.py`).
+    (0: the whole vocabulary; None: the drafter's `serve_vocab` where the model has counts;
+    `dspark/drafters/vocab.py`).
     loaded: the target and tokenizer already loaded from this model by `load_model` on cfg's
     device and dtype, to share one copy of the weights between engines (a benchmark that runs
     several configurations side by side, as one deployment serves one model)."""
@@ -90,6 +100,7 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
             if not 1 <= gamma <= d.config.gamma:
                 raise ValueError(f"gamma must be in 1..{d.config.gamma} for this drafter")
             d.config = d.config.replace(gamma=gamma)
+    draft_vocab = default_vocab(d, path) if draft_vocab is None else draft_vocab
     if draft_vocab and d is None:
         raise ValueError("--draft-vocab needs a drafter")
     if draft_vocab and not isinstance(d, NeuralDrafter):

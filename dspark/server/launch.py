@@ -46,7 +46,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     )
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
                       policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None),
-                      draft_vocab=getattr(args, "draft_vocab", 0))
+                      draft_vocab=getattr(args, "draft_vocab", None))
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

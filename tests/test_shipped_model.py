@@ -77,3 +77,12 @@ def test_every_builtin_model_ships_its_drafters(name):
     for kind in ("dspark", "dflash", "eagle3", "mtp"):
         d = load_drafter(kind, BUILTIN_MODELS[name], net.config, tok.token_id("<|mask|>"))
         assert d.config.kind == kind and max(d.config.taps) < net.config.num_hidden_layers
+
+
+def test_a_builtin_model_missing_from_the_install_says_so(monkeypatch, tmp_path):
+    """A wheel carries the default model only; naming another built-in there says where it comes from."""
+    from dspark.models import loader
+
+    monkeypatch.setitem(loader.BUILTIN_MODELS, "dspark-tiny", tmp_path / "absent" / "target")
+    with pytest.raises(FileNotFoundError, match="not in this install.*source checkout"):
+        loader.resolve_model_path("dspark-tiny")

@@ -104,7 +104,8 @@ def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig |
     if name in KINDS:
         shipped = model_dir.parent / "drafters" / name if model_dir is not None else None
         if shipped is None or not (shipped / "config.json").is_file():
-            raise FileNotFoundError(f"no shipped {name!r} drafter for this model; pass a drafter directory")
+            raise FileNotFoundError(f"no shipped {name!r} drafter for this model in this install (a wheel carries "
+                                    "the default model's dspark drafter only); pass a drafter directory")
         path = shipped
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"drafter {name!r}: not a known kind ({', '.join(KINDS)}) nor a directory with config.json")

@@ -28,6 +28,11 @@ def resolve_model_path(model: str | Path | None) -> Path:
     """A built-in name or a local directory -> the directory, with a clear error."""
     name = str(model) if model else DEFAULT_MODEL
     path = BUILTIN_MODELS.get(name, Path(name).expanduser())
+    if name in BUILTIN_MODELS and not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the built-in model {name!r} is not in this install: the wheel carries {DEFAULT_MODEL} and its dspark "
+            "drafter only; the other built-ins come with a source checkout (git clone, then pip install -e .)"
+        )
     if not path.is_dir():
         raise FileNotFoundError(
             f"model directory {str(path)!r} not found; pass a local Hugging Face-format directory "

@@ -1,4 +1,5 @@
-"""The `--quick` benchmark presets as CI smoke tests on the shipped dspark-tiny model: each runs
+"""The `--quick` benchmark presets as CI smoke tests on the shipped dspark-tiny model (named explicitly;
+the default model is the deeper dspark-small): each runs
 through the real command line, end to end, and writes well-formed results. Never a speed
 assertion (CI machines vary); only that every configuration produced tokens and a report.
 
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def bench(*args: str, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "dspark", "bench", *args, "--quick", "--out", str(out)]
+    model = [] if "--model" in args else ["--model", "dspark-tiny"]  # the smallest shipped model: a smoke test
+    cmd = [sys.executable, "-m", "dspark", "bench", *args, *model, "--quick", "--out", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     name = args[0] if args[0] != "online" or "hostile" not in args else "online-hostile"

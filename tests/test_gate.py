@@ -88,7 +88,7 @@ def test_a_prefill_step_does_not_open_a_closed_gate():
     free; the gate still judges decoding alone (opening would draft for every request, each
     catching up its pending context), so it stays closed and the probe backoff keeps growing."""
     prof = StepProfile("test", tokens=[1, 1001], verify_s=[0.011, 1.011], requests=[1, 8], draft_s=[0.02, 0.02])
-    gate = Gate(GateConfig(probe_every=2, probe_max=64), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
+    gate = Gate(GateConfig(probe_every=2, probe_max=64, judge_after=0), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
     for _ in range(20):
         gate.should_draft(1, [GAMMA])
     grown = gate.interval
@@ -166,20 +166,40 @@ def test_uniform_candidates_match_the_general_sort():
 def test_the_online_correction_scales_every_batch_shape_alike():
     """Serving observes plain one-token steps all the time and drafted shapes rarely; a machine
     1.5x slower than at start-up must raise the cost of both, the drafter's included, or
-    drafting looks cheap. Drafted steps correct the drafter on top of the machine's scale."""
+    drafting looks cheap. Drafted steps correct the drafted cost on top of the machine's scale."""
     prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.006] * 2)
     before = prof.verify(1), prof.verify(8), prof.draft(1)
     for _ in range(200):
-        prof.observe_verify(1, 0.015)
+        prof.observe_plain(1, 0.015)
     after = prof.verify(1), prof.verify(8), prof.draft(1)
     assert abs(after[0] / before[0] - 1.5) < 0.01 and abs(after[1] / before[1] - 1.5) < 0.01
     assert abs(after[2] / before[2] - 1.5) < 0.01  # the drafter runs on the same, slower machine
-    prof.observe_draft(1, 0.009)  # a proposal as slow as the machine predicts: nothing to correct
-    assert abs(prof.draft_scale - 1.0) < 1e-3
-    prof.observe_draft(8, 0.09)  # a proposal that caught up a long pending context: 10x, the clip
-    assert prof.draft(1) > after[2] and prof.draft_scale <= 1 + prof.smoothing * 9 + 1e-5
+    prof.observe_drafted(1, 8, 0.027)  # a drafted step as slow as the machine predicts: nothing to correct
+    assert abs(prof.spec_scale - 1.0) < 1e-3
+    prof.observe_drafted(1, 8, 0.27)  # a drafted step that caught up a long pending context: 10x, the clip
+    assert prof.cost(1, 8) > after[1] + after[2] and prof.spec_scale <= 1 + prof.smoothing * 9 + 1e-5
     cached = StepProfile.from_json(prof.to_json())
-    assert cached.verify(8) == prof.verify(8)
+    assert cached.cost(1, 8) == prof.cost(1, 8)
+
+
+def test_drafted_steps_slower_than_profiled_close_the_gate():
+    """The start-up profile says verifying 8 tokens costs 1.14 plain steps and a proposal 0.25:
+    with acceptance ~0.4 at the first position drafting looks like a win. The engine's drafted steps
+    really take 1.8 plain steps (host work the raw forward timings do not see); once the
+    drafted steps are observed, the gate must close, since plain steps now win."""
+    s = AcceptanceStats(GAMMA)
+    for _ in range(60):
+        for n in [0] * 6 + [1] * 3 + [2]:
+            s.update([GAMMA], [n])
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.02, 0.0228, 0.06], requests=[1, 8],
+                       draft_s=[0.005] * 2)
+    gate = Gate(GateConfig(probe_every=10**6, caution=0.0), s, prof)
+    assert gate.predict(1, [GAMMA])
+    for _ in range(100):
+        prof.observe_plain(1, 0.02)
+        prof.observe_drafted(1, 8, 0.036)
+    assert 1.2 < prof.spec_scale < 1.4
+    assert not gate.predict(1, [GAMMA])
 
 
 def test_a_machine_slowed_by_a_neighbour_does_not_open_the_gate():
@@ -194,17 +214,17 @@ def test_a_machine_slowed_by_a_neighbour_does_not_open_the_gate():
     gate = Gate(GateConfig(probe_every=10**6), s, prof)
     assert not gate.predict(1, [GAMMA])
     for _ in range(300):
-        prof.observe_verify(1, 0.02)
+        prof.observe_plain(1, 0.02)
     assert not gate.predict(1, [GAMMA])
-    prof.draft_scale = 1 / prof.verify_scale  # the drafter's start-up cost, as before the shared scale
-    assert gate.predict(1, [GAMMA])
+    prof.spec_scale = 0.75  # drafted steps observed faster than their prediction ...
+    assert gate.predict(1, [GAMMA])  # ... are what may open it
 
 
 def test_a_profile_cached_with_per_bucket_corrections_still_loads():
     import json
 
     raw = json.loads(StepProfile("old", tokens=[1, 8], verify_s=[0.01, 0.02]).to_json())
-    raw.pop("verify_scale"), raw.pop("draft_scale")
+    raw.pop("verify_scale"), raw.pop("spec_scale")
     raw.update(verify_fix={"0": 1.3}, draft_fix={})
     assert StepProfile.from_json(json.dumps(raw)).verify(1) == 0.01
 
@@ -241,8 +261,25 @@ def test_a_few_lucky_probes_do_not_open_the_gate():
     for _ in range(100):
         steady.update([GAMMA] * 2, [GAMMA] * 2)
     assert algorithm1(uniform_candidates(lucky.conditional(), [GAMMA] * 4), 4, 0, prof.cost) > 0  # trusting it: open
-    assert not Gate(GateConfig(probe_every=1000), lucky, prof).should_draft(4, [GAMMA] * 4)
-    assert Gate(GateConfig(probe_every=1000), steady, prof).should_draft(4, [GAMMA] * 4)
+    assert not Gate(GateConfig(probe_every=1000, judge_after=0), lucky, prof).should_draft(4, [GAMMA] * 4)
+    assert Gate(GateConfig(probe_every=1000, judge_after=0), steady, prof).should_draft(4, [GAMMA] * 4)
+
+
+def test_the_gate_is_cautious_only_after_enough_verified_drafts():
+    """A fresh engine knows nothing of its drafter's acceptance: judged on the prior less its
+    standard error the gate closed on the first step and never gathered evidence to reopen.
+    Until judge_after first positions were verified it takes the estimates at face value: a
+    drafter that pays at the prior is tried, one that could not is not."""
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.004] * 2)
+    s = AcceptanceStats(GAMMA)
+    gate = Gate(GateConfig(probe_every=1000, judge_after=16), s, prof)
+    assert gate.should_draft(1, [GAMMA])  # the prior, 0.5 per position, pays at this profile
+    assert not Gate(GateConfig(probe_every=1000, judge_after=0), AcceptanceStats(GAMMA), prof).should_draft(1, [GAMMA])
+    for _ in range(16):
+        s.update([GAMMA], [0] if _ % 2 else [1])  # half the first positions accepted, none after
+    assert not gate.should_draft(1, [GAMMA])  # judged now, cautiously: drafting loses
+    costly = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.05] * 2)
+    assert not Gate(GateConfig(probe_every=1000), AcceptanceStats(GAMMA), costly).should_draft(1, [GAMMA])
 
 
 def test_a_noisy_profile_point_takes_the_value_after_it():

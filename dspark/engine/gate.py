@@ -32,6 +32,9 @@ class GateConfig:
     probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
     caution: float = 1.0  # standard errors taken off the acceptance estimates before judging: opening
     # on a few lucky probe observations drafts for every request, a loss when the luck does not hold
+    judge_after: int = 16  # caution applies once this many first draft positions were verified: on
+    # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
+    # probes never gathered the evidence to reopen, even where drafting won 1.3x
 
 
 class Gate:
@@ -61,7 +64,8 @@ class Gate:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
         assert self.profile is not None
         k = r * self.draft_share  # below one request: a run for one in that fraction of the steps
-        return (self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)) + self.profile.verify(b)
+        draft = self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)
+        return (draft + self.profile.verify(b)) * self.profile.spec_scale
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
@@ -148,13 +152,15 @@ class Gate:
         return verdict
 
     def predict(self, num_requests: int, caps: Sequence[int]) -> bool:
-        """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?"""
+        """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?
+        Until `judge_after` first draft positions were verified there is too little to be cautious
+        about: the estimates are taken at face value (the prior, 0.5 per position, at first), so a
+        drafter that could pay is tried and one that could not even then is not."""
         assert self.profile is not None
-        cands = uniform_candidates(self.stats.lower(self.cfg.caution), caps)
+        judging = self.stats.total_tried[0] >= self.cfg.judge_after
+        cands = uniform_candidates(self.stats.lower(self.cfg.caution if judging else 0.0), caps)
         admitted = algorithm1(cands, num_requests, 0, self.cost)
         gain = sum(c.survival for c in cands[:admitted])
         spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)
         plain = num_requests / self.profile.verify(num_requests)
         return spec > plain
-
-

@@ -53,7 +53,9 @@ def grid(limit: int) -> list[int]:
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
-    """Median wall seconds of fn() after one warm-up call."""
+    """Least wall seconds of fn() over `repeats` calls after one warm-up call: noise (another
+    process, an interrupt, a cold cache) only ever adds time, and a median of a few calls
+    kept enough of it to make verifying look cheap next to an inflated one-token step."""
     fn()
     times = []
     for _ in range(repeats):
@@ -64,7 +66,7 @@ def timed(fn, repeats: int, device: torch.device) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def load_cached(key: str) -> StepProfile | None:

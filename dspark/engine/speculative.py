@@ -199,7 +199,9 @@ class SpeculativeRunner:
         self.drafted_steps += int(drafted)
         if self.profile is None:
             return
-        self.profile.observe_verify(num_tokens, result.times["verify"])
-        if drafted and num_decode:
-            self.profile.observe_draft(num_decode, result.times["draft"])
+        seconds = sum(result.times.values())  # the whole step: what a user waits for
+        if drafted:
+            self.profile.observe_drafted(num_decode, num_tokens, seconds)
+        else:
+            self.profile.observe_plain(num_tokens, seconds)
 

@@ -4,12 +4,15 @@ for R requests, so schedulers maximise tokens per second of the whole step.
 Measured at engine start (warm-up, then timed runs on a grid up to the token budget, at a
 representative context length), interpolated, cached on disk per model / drafter / device
 / dtype / threads, and corrected while serving, since a start-up profile drifts with heat,
-context and load. Every target forward updates one smoothed machine scale (`verify_scale`),
-which moves every batch shape alike, the drafter's too: a neighbour that slows the machine
-slows drafting as much as verifying. Drafted steps, rare when the gate is closed, update the
-drafter's own correction on top of it (`draft_scale`, e.g. for catching up a long pending
-context). One scale for every shape keeps the rarely run drafted shapes as current as the
-plain steps that run all the time.
+context and load. Both corrections compare whole engine steps (draft, forward, acceptance and
+the host work around them) with what the profile predicts. Every plain step updates one
+smoothed machine scale (`verify_scale`), which moves every batch shape alike, the drafter's
+too: a neighbour that slows the machine slows drafting as much as verifying. Every drafted
+step updates a second scale on top of it (`spec_scale`): what a drafted step really costs
+against its prediction, e.g. the verify path's host work, rows the raw forward timings do not
+see, or a proposal that caught up a long pending context. Inside one step the scale is a
+constant factor, so it never changes which tokens Algorithm 1 admits; it changes whether
+drafting beats a plain step (the gate) — the comparison a wrong profile gets wrong.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
@@ -53,8 +56,8 @@ class StepProfile:
     requests: list[int] = field(default_factory=lambda: [1])  # grid of R
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # seconds per proposal for R requests
     smoothing: float = 0.05
-    verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
-    draft_scale: float = 1.0  # measured / (profiled x verify_scale) seconds of drafter proposals, smoothed
+    verify_scale: float = 1.0  # measured / profiled seconds of plain steps, smoothed: the machine's speed
+    spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
 
     def __post_init__(self) -> None:
         # more tokens (requests) never cost less: a point measured above a later one was slowed by
@@ -68,21 +71,23 @@ class StepProfile:
     def draft(self, r: int) -> float:
         if r <= 0:
             return 0.0
-        return interp(self.requests, self.draft_s, r) * self.verify_scale * self.draft_scale
+        return interp(self.requests, self.draft_s, r) * self.verify_scale
 
     def cost(self, r: int, b: int) -> float:
-        """Seconds of a speculative step: draft for r requests, verify b tokens."""
-        return self.draft(r) + self.verify(b)
+        """Seconds of a speculative step: draft for r requests, verify b tokens, accept."""
+        return (self.draft(r) + self.verify(b)) * self.spec_scale
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    def observe_verify(self, b: int, seconds: float) -> None:
+    def observe_plain(self, b: int, seconds: float) -> None:
+        """A whole plain step of b tokens took these seconds."""
         self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
-    def observe_draft(self, r: int, seconds: float) -> None:
-        profiled = interp(self.requests, self.draft_s, r) * self.verify_scale
-        self.draft_scale = self._smoothed(self.draft_scale, profiled, seconds)
+    def observe_drafted(self, r: int, b: int, seconds: float) -> None:
+        """A whole drafted step (proposal for r requests, b forward tokens) took these seconds."""
+        predicted = self.draft(r) + self.verify(b)
+        self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float) -> float:
         if profiled <= 0 or seconds <= 0:
@@ -96,7 +101,7 @@ class StepProfile:
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
         raw = json.loads(text)
-        for old in ("verify_fix", "draft_fix"):  # per-bucket corrections an older cache file may hold
+        for old in ("verify_fix", "draft_fix", "draft_scale"):  # corrections an older cache file may hold
             raw.pop(old, None)
         return cls(**raw)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dspark.models.loader import model_label
 from dspark import report
 from dspark.bench import plots
 from dspark.bench.prompts import DATASETS
@@ -216,7 +217,7 @@ def _domain_table(rows: Sequence[dict], key: str) -> tuple[list[str], list[list]
 def markdown(rows, sweeps, s: OfflineSettings, path: Path, skipped: list[str], figures: list[str]) -> str:
     load = (f"{s.num_prompts} prompts per dataset (chat template)" if s.workload == "datasets" else
             f"{s.num_prompts} multi-turn agent traces (each turn a request; rows per task kind)")
-    md = [f"# Offline acceptance: model `{path.name}` (Table 1, Fig. 2, Fig. 5 analogs)\n",
+    md = [f"# Offline acceptance: model `{model_label(path)}` (Table 1, Fig. 2, Fig. 5 analogs)\n",
           f"Batch size 1, policy `static:γ` (γ = {s.gamma}; MTP: 1), {load}, "
           f"max {s.max_tokens} new tokens, seed {s.seed}. τ = emitted tokens per decode "
           "round, bonus/recovered token included (the prefill round left out); per-domain columns are "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dspark.models.loader import model_label
 from dspark import report
 from dspark.bench import frontier, plots
 from dspark.bench.loop import ClosedLoop, LoopResult, closed_loop, run_loops
@@ -301,7 +302,7 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
     out.mkdir(parents=True, exist_ok=True)
     suffix = "" if s.workload == "mixed" else f"-{s.workload}"  # a hostile run keeps the mixed one
     if rows:
-        plots.frontier(rows, out / f"frontier{suffix}.png", f"{path.name}, {s.workload} workload")
+        plots.frontier(rows, out / f"frontier{suffix}.png", f"{model_label(path)}, {s.workload} workload")
         plots.budget(rows, out / f"budget{suffix}.png")
     phases = [p for r in rows for p in r.get("phases", [])]
     rows = [{k: v for k, v in r.items() if k != "phases"} for r in rows]
@@ -343,7 +344,7 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
     if s.lockstep:
         load += ("; **lockstep**: within a run every configuration's engine takes one step in turn, each timed on its "
                  "own clock that runs only while it works (so all see the same machine at every moment)")
-    md = [f"# Online closed-loop serving: model `{path.name}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
+    md = [f"# Online closed-loop serving: model `{model_label(path)}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
           f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "

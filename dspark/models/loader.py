@@ -24,6 +24,12 @@ BUILTIN_MODELS = {"dspark-tiny": ASSETS / "dspark-tiny" / "target", "dspark-smal
 DEFAULT_MODEL = "dspark-small"
 
 
+def model_label(path: Path) -> str:
+    """How reports name a model: its built-in name, else its directory's name."""
+    names = {v: k for k, v in BUILTIN_MODELS.items()}
+    return names.get(path, path.name)
+
+
 def resolve_model_path(model: str | Path | None) -> Path:
     """A built-in name or a local directory -> the directory, with a clear error."""
     name = str(model) if model else DEFAULT_MODEL

@@ -1,4 +1,4 @@
-"""`dspark bench ...` subcommands. Results go to docs/results/ by default (--quick: /tmp).
+"""`dspark bench ...` subcommands. Results go to docs/results/<benchmark>/ by default (--quick: /tmp).
 
     dspark bench decode    plain decoding vs transformers generate()
     dspark bench offline   tau per dataset, acceptance per position, threshold sweep (Table 1, Figs. 2, 5)
@@ -29,13 +29,13 @@ def _names(text: str) -> list[str]:
 def _out(args: argparse.Namespace, name: str) -> str:
     from dspark.report import DEFAULT_OUT
 
-    return args.out or (f"/tmp/dspark-bench-quick/{name}" if args.quick else DEFAULT_OUT)
+    return args.out or (f"/tmp/dspark-bench-quick/{name}" if args.quick else f"{DEFAULT_OUT}/{name}")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="built-in name or HF-format directory (default dspark-small)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    p.add_argument("--out", default=None, help="output directory (default docs/results, --quick: /tmp)")
+    p.add_argument("--out", default=None, help="output directory (default docs/results/<benchmark>, --quick: /tmp)")
     p.add_argument("--quick", action="store_true", help="a ~1 minute smoke run (never a speed claim)")
 
 
@@ -116,7 +116,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     h = sub.add_parser("host", help="per-step host time near the start vs the end of a long generation")
     h.add_argument("--max-tokens", type=int, default=4000)
     h.add_argument("--drafters", type=_names, default=["eagle3", "dspark", "ngram"], help="besides plain decoding")
-    h.add_argument("--out", default=None, help="output directory (default docs/results)")
+    h.add_argument("--out", default=None, help="output directory (default docs/results/host)")
     h.set_defaults(func=run_host)
 
     a = sub.add_parser("steps", help="the anatomy of a drafted step against a plain one, side by side")
@@ -129,7 +129,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     a.set_defaults(func=run_steps)
 
     t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
-    t.add_argument("--results", default=None, help="directory with offline/online/peers JSON (default docs/results)")
+    t.add_argument("--results", default=None, help="results tree with offline/, online/, peers/ (default docs/results)")
     t.set_defaults(func=run_goals)
 
 
@@ -140,12 +140,10 @@ def _given(args: argparse.Namespace, **names: str) -> dict:
 
 def run_decode(args: argparse.Namespace) -> int:
     from dspark.bench import decode
-    from dspark.report import DEFAULT_OUT
 
     if args.quick:
         args.concurrency, args.max_tokens, args.repeats = [1, 4], 16, 1
-    decode.run(args.model, args.concurrency, args.max_tokens, args.repeats, args.out or (
-        "/tmp/dspark-bench-quick" if args.quick else DEFAULT_OUT))
+    decode.run(args.model, args.concurrency, args.max_tokens, args.repeats, _out(args, "decode"))
     return 0
 
 
@@ -212,7 +210,7 @@ def run_goals(args: argparse.Namespace) -> int:
     from dspark.bench import goals
     from dspark.report import DEFAULT_OUT
 
-    goals.run(args.results or DEFAULT_OUT)
+    goals.run(args.results or DEFAULT_OUT)  # reads <results>/<benchmark>/, writes <results>/goals/
     return 0
 
 
@@ -220,7 +218,7 @@ def run_host(args: argparse.Namespace) -> int:
     from dspark.bench import host
     from dspark.report import DEFAULT_OUT
 
-    host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or DEFAULT_OUT)
+    host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or f"{DEFAULT_OUT}/host")
     return 0
 
 

@@ -1,13 +1,11 @@
 """`dspark bench goals`: the project's benchmark goals checked against committed results.
 
-Reads offline.json, online.json, online-hostile.json and peers.json from one results
-directory (each written by its own `dspark bench` command, in one run per file, so every ratio
-compares configurations measured side by side), the same two online sweeps run with
-`--lockstep` from its `lockstep/` subdirectory, and the repeat checks in its other subdirectories
-(`REPEAT_CHECKS`: `none` and dspark:dspark only, eight runs each, for the cells where two runs
-are too few to tell the never-a-loss bar from noise) and writes goals.json and goals.md: each
-goal's measured value, its bar, met or missed, and the file it came from. Nothing is
-measured here; a missing file leaves its goals "not measured".
+Reads the results tree (one folder per benchmark: offline/offline.json, peers/peers.json,
+online/online.json, online/online-hostile.json, online/online-agent.json; each written by its
+own `dspark bench` command in one run, so every ratio compares configurations measured side by
+side) and writes goals/goals.json and goals/goals.md: each goal's measured value, its bar, met
+or missed, and the file it came from. Nothing is measured here; a missing file leaves its goals
+"not measured".
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ def offline_checks(res: dict | None) -> list[Check]:
 
     taus = {d: mean_tau(d) for d in ("dspark", "eagle3", "dflash")}
     return [Check(f"offline τ (T = 1, γ = 7, domain macro): dspark / {other}", bar,
-                  ratio(taus["dspark"], taus[other]), "offline.json",
+                  ratio(taus["dspark"], taus[other]), "offline/offline.json",
                   f"dspark {cell(taus['dspark'])}, {other} {cell(taus[other])}")
             for other, bar in (("eagle3", 1.25), ("dflash", 1.15))]
 
@@ -64,13 +62,13 @@ def peers_checks(res: dict | None) -> list[Check]:
     spec = next((r for r in res.get("rows", []) if r["system"].endswith(f" {SPEC}")), None)
     by_domain = {r["domain"]: r for r in res.get("domain_rows", []) if spec and r["system"] == spec["system"]}
     checks = [Check(f"single stream, {d}: {SPEC} / none", 2.0, by_domain.get(d, {}).get("vs_dspark_none"),
-                    "peers.json") for d in ("math", "code")]
+                    "peers/peers.json") for d in ("math", "code")]
     checks.append(Check(f"single stream: {SPEC} / transformers generate()", 3.0,
-                        spec["vs_transformers"] if spec else None, "peers.json"))
+                        spec["vs_transformers"] if spec else None, "peers/peers.json"))
     return checks
 
 
-def load_checks(res: dict | None, source: str = "online.json") -> list[Check]:
+def load_checks(res: dict | None, source: str) -> list[Check]:
     rows = (res or {}).get("rows", [])
     if not rows:
         return []
@@ -88,6 +86,8 @@ def load_checks(res: dict | None, source: str = "online.json") -> list[Check]:
     name_t, best_t = best_static(top, "throughput_tok_s")
     name_u, best_u = best_static(low, "per_user_tok_s_mean")
     checks = [
+        Check(f"C = {low}: {SPEC} aggregate / none", 1.3,
+              ratio(mine(low, "throughput_tok_s"), at.get(("none", low), {}).get("throughput_tok_s")), source),
         Check(f"C = {top}: {SPEC} aggregate / best static:k", 1.0, ratio(mine(top, "throughput_tok_s"), best_t),
               source, f"best static: {name_t}"),
         Check(f"C = {top}: {SPEC} aggregate / none", 1.0,
@@ -101,7 +101,7 @@ def load_checks(res: dict | None, source: str = "online.json") -> list[Check]:
     return checks
 
 
-def matched_check(rows: list[dict], base: str, source: str = "online.json") -> Check:
+def matched_check(rows: list[dict], base: str, source: str) -> Check:
     """Per-user speed over `base`'s at the throughput levels both curves reach (the worst level)."""
     mine, theirs = curve(rows, SPEC), curve(rows, base)
     ratios = [ratio(speed_at_throughput(mine, t), speed_at_throughput(theirs, t)) for _, t in theirs]
@@ -120,46 +120,32 @@ def never_a_loss(res: dict | None, source: str) -> list[Check]:
                   + ", ".join(f"{r['concurrency']}: {r['throughput_ratio']:.3f}" for r in ratios))]
 
 
-REPEAT_CHECKS = {  # subdirectory -> its results file (`bench online --repeats 8 --out <results>/<subdirectory>`)
-    "hostile-c1": "online-hostile", "hostile-c4": "online-hostile", "hostile-c16": "online-hostile",
-    "mixed-c1": "online", "mixed-c4": "online", "mixed-c64": "online",
-    # every concurrency, eight runs, `--lockstep` (the configurations stepped in turn within each run)
-    "lockstep-hostile-8": "online-hostile", "lockstep-mixed-8": "online",
-}
-
-
-def repeat_checks(results: Path) -> list[Check]:
-    """Never a loss in each repeat check that exists: its one ratio, with the per-run ratios."""
+def agent_checks(res: dict | None, source: str = "online/online-agent.json") -> list[Check]:
+    """The router against the better of its two drafters alone, at every concurrency."""
+    at = {(r["config"], r["concurrency"]): r["throughput_tok_s"] for r in (res or {}).get("rows", [])}
     out = []
-    for sub, name in REPEAT_CHECKS.items():
-        res = _load(results / sub, name)
-        rows = [r for r in (res or {}).get("ratios", []) if r["config"] == SPEC and r["throughput_ratio"] is not None]
-        for r in rows:
-            runs = ", ".join(f"{x:.2f}" for x in r.get("throughput_ratio_runs") or [])
-            how = "lockstep " if res.get("settings", {}).get("lockstep") else ""
-            out.append(Check(f"never a loss, {len(r.get('throughput_ratio_runs') or [])}-run {how}check at C = "
-                             f"{r['concurrency']} ({sub}): {SPEC} / none", 0.97, r["throughput_ratio"],
-                             f"{sub}/{name}.json", f"per run: {runs}"))
-    return out
+    for c in sorted({c for _, c in at}):
+        alone = [at.get((k, c)) for k in (SPEC, "suffix:dspark")]
+        best = max((x for x in alone if x is not None), default=None)
+        out.append(Check(f"agent workload, C = {c}: auto:dspark / the better of {SPEC} and suffix:dspark", 1.2,
+                         ratio(at.get(("auto:dspark", c)), best), source))
+    return out or [Check("agent workload: auto:dspark / the better alone", 1.2, None, source)]
 
 
 SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results file, its checks)
-    ("offline", offline_checks),
-    ("peers", peers_checks),
-    ("online", load_checks),
-    ("online", lambda r: never_a_loss(r, "online.json")),
-    ("online-hostile", lambda r: never_a_loss(r, "online-hostile.json")),
-    # the same sweeps run with `--lockstep --out <results>/lockstep`
-    ("lockstep/online", lambda r: load_checks(r, "lockstep/online.json")),
-    ("lockstep/online", lambda r: never_a_loss(r, "lockstep/online.json")),
-    ("lockstep/online-hostile", lambda r: never_a_loss(r, "lockstep/online-hostile.json")),
+    ("offline/offline", offline_checks),
+    ("peers/peers", peers_checks),
+    ("online/online", lambda r: load_checks(r, "online/online.json")),
+    ("online/online", lambda r: never_a_loss(r, "online/online.json")),
+    ("online/online-hostile", lambda r: never_a_loss(r, "online/online-hostile.json")),
+    ("online/online-agent", agent_checks),
 ]
 
 
 def run(results: str | Path) -> dict:
     results = Path(results)
     loaded = {name: _load(results, name) for name, _ in SECTIONS}
-    checks = [c for name, fn in SECTIONS for c in fn(loaded[name])] + repeat_checks(results)
+    checks = [c for name, fn in SECTIONS for c in fn(loaded[name])]
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
     payload = {"benchmark": "goals", "results": str(results), "sources": sources,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
@@ -169,6 +155,6 @@ def run(results: str | Path) -> dict:
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
           report.table(["goal", "bar", "measured", "status", "source", "detail"],
                        [[c.goal, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
-    report.write(results, "goals", payload, "".join(md))
+    report.write(results / "goals", "goals", payload, "".join(md))
     print("".join(md))
     return payload

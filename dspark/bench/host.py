@@ -15,7 +15,7 @@ target: dspark-tiny's tokenizer and a small random-weight Qwen3 (2 layers, d = 6
 `max_position_embeddings` 8,192, and untrained drafters for it. Random weights are fine here:
 the figure is host time per step, not acceptance or text quality.
 
-    dspark bench host [--max-tokens 4000] [--drafters eagle3,dspark,ngram] [--out docs/results]
+    dspark bench host [--max-tokens 4000] [--drafters eagle3,dspark,ngram] [--out docs/results/host]
 """
 
 from __future__ import annotations

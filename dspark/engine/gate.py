@@ -131,7 +131,7 @@ class Gate:
     def wants_slots(self) -> bool:
         """Whether the next step should reserve draft slots (KV and token budget). A closed gate
         withholds them: reserving and rolling back γ slots per request on every step slowed plain
-        decoding at 16 requests (`docs/results/hostile-c16*`)."""
+        decoding at 16 requests (a hostile workload)."""
         return self.idle or self.open or self.wait + 1 >= self.interval
 
     def probe_subset(self, decode: Sequence, step: int) -> list:

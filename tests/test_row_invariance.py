@@ -4,7 +4,7 @@ Speculative greedy output equals plain greedy output only if verifying [x, d_1..
 row x exactly what a plain one-token step gives it. In bfloat16 a fused attention kernel
 blocks its work by the number of queries, and its rounding differences, amplified by
 bfloat16 activations over the layers, flipped greedy tokens on the shipped model; short
-queries are therefore computed as plain matrix products (`models/attention.py`).
+queries are therefore computed as plain matrix products over tiles of query rows (`models/attention.py`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ def test_online_quick(tmp_path, workload):
     assert (tmp_path / f"frontier{suffix}.png").stat().st_size > 0
 
 
-def test_peers_quick(tmp_path):
+def test_peers_quick(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSPARK_DTYPE", "float32")  # exact greedy agreement with transformers needs float32:
+    # in bfloat16 two implementations round differently and a near tie can go either way
     res = bench("peers", "--assistant", "dspark-tiny", out=tmp_path)  # the target as its own assistant: same tokens
     systems = {r["system"] for r in res["rows"]}
     assert "transformers generate" in systems and len(systems) >= 4

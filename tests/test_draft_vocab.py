@@ -111,7 +111,7 @@ def test_draft_vocab_command_and_engine_option(tmp_path, qwen3_dir, plain):
     torch.manual_seed(0)
     d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0))
     save_drafter(d, d.config, drafter_dir)
-    cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
+    cfg = EngineConfig(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=96)
     with pytest.raises(FileNotFoundError, match="dspark draft-vocab"):
         build_engine(model, str(drafter_dir), "static:7", cfg, profile="off", draft_vocab=8)
     data = tmp_path / "answers.jsonl"

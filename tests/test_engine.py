@@ -133,7 +133,7 @@ def test_engines_leave_the_global_rng_alone(qwen3_dir):
     sampled = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
     torch.manual_seed(1234)
     before = torch.random.get_rng_state()
-    cfg = EngineConfig(device="cpu", seed=7)
+    cfg = EngineConfig(device="cpu", dtype="float32", seed=7)
     engines = [assemble(*loaded, cfg), build_engine(qwen3_dir, "ngram", "static:3", cfg, loaded=loaded)]
     assert torch.equal(torch.random.get_rng_state(), before)
     outs = [e.run_until_done([e.add_request(p, sampled) for p in PROMPTS]) for e in engines]

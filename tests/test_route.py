@@ -75,7 +75,7 @@ def test_auto_and_dspark_plus_suffix_load(qwen3_dir):
     from dspark import LLM
 
     for name in ("suffix", f"{path}+suffix"):  # what `dspark generate --drafter ...` and serve build
-        llm = LLM(str(qwen3_dir), drafter=name, policy="static:3", profile="off", device="cpu")
+        llm = LLM(str(qwen3_dir), drafter=name, policy="static:3", profile="off", device="cpu", dtype="float32")
         out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         assert [o.token_ids for o in out] == [o.token_ids for o in run(engine_for(qwen3_dir), PROMPTS[:2],
                                                                        SamplingParams(temperature=0.0, max_tokens=6,

@@ -23,10 +23,13 @@ POLICIES = ["static:7", "static:2", "threshold:0.3", "dspark", "dspark-async"]
 
 
 def engine_for(path, kind=None, policy="none", **kw):
-    net, tok = load_model(path)
+    """A float32 engine unless kw names a dtype (the model is loaded in it, the drafter built in it)."""
+    cfg = EngineConfig(**{"device": "cpu", "dtype": "float32", "block_size": 4, "max_num_batched_tokens": 96, **kw})
+    net, tok = load_model(path, dtype=cfg.dtype)
     torch.manual_seed(0)  # the same random drafter weights every time
     drafter = new_drafter(new_config(kind, net.config, tok.token_id("<|mask|>") or 0)) if kind else None
-    cfg = EngineConfig(**{"device": "cpu", "block_size": 4, "max_num_batched_tokens": 96, **kw})
+    if isinstance(drafter, torch.nn.Module):
+        drafter.to(dtype=cfg.torch_dtype)
     return assemble(net, tok, cfg, drafter=drafter, policy=policy)
 
 
@@ -48,6 +51,15 @@ def test_greedy_identical_for_every_drafter_and_policy(qwen3_dir, reference, kin
         assert [o.token_ids for o in outs] == reference, (kind, policy)
         assert engine.kv.pool.num_used_blocks == 0
         assert engine.drafter.cache_bytes_in_use() == 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "suffix"])
+def test_greedy_identical_in_bfloat16(qwen3_dir, kind):
+    """bfloat16 (the default on CUDA and on CPUs with native bfloat16): a verify forward of
+    1 + l rows must give each row what a plain one-row step gives, or greedy output drifts."""
+    plain = [o.token_ids for o in run(engine_for(qwen3_dir, dtype="bfloat16"))]
+    for policy in ("static:3", "dspark"):
+        assert [o.token_ids for o in run(engine_for(qwen3_dir, kind, policy, dtype="bfloat16"))] == plain, policy
 
 
 def test_ngram_accepts_on_repetitive_text_and_stays_exact(qwen3_dir, reference):

@@ -24,7 +24,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.models.loader import model_label
 from dspark import report
 from dspark.bench import plots
 from dspark.bench.prompts import DATASETS
@@ -40,6 +39,7 @@ from dspark.bench.workload import (
     select,
     split_drafter,
 )
+from dspark.models.loader import model_label
 from dspark.report import cell
 
 THRESHOLDS = tuple(round(0.1 * i, 1) for i in range(10))  # 0.0 = the full block, as static:gamma

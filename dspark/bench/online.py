@@ -31,7 +31,6 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dspark.models.loader import model_label
 from dspark import report
 from dspark.bench import frontier, plots
 from dspark.bench.loop import ClosedLoop, LoopResult, closed_loop, run_loops
@@ -49,6 +48,7 @@ from dspark.bench.workload import (
     select,
     split_drafter,
 )
+from dspark.models.loader import model_label
 from dspark.report import cell
 
 CONFIGS = "none;mtp:static:1;dspark:static:7;dspark:dspark;dspark:dspark-async"

@@ -164,10 +164,29 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if rep > 1:  # GQA without copying K/V: fold each KV head's query group into the query axis
         qp = qp.reshape(r, kv_heads, rep * nq, d)
         mask = mask.repeat(1, 1, rep, 1)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask)  # [R, Hkv, rep*Q, D]
+    out = _attend(qp, kp, vp, mask)  # [R, Hkv, rep*Q, D]
     out = out.reshape(r, heads, nq, d)
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
     return out.transpose(1, 2).reshape(r * nq, heads, d)[group.query_rows]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
+    """Attention of a group's query rows. In reduced precision it is written as two batched
+    matrix products with the softmax in float32, over tiles of query rows: a fused kernel
+    blocks its work by the number of queries, so a row's result depended on how many rows
+    shared its forward (a verify row rounded differently from the plain step it replaces, a
+    prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted. Written
+    out, every row is computed the same way whatever the others are; tiles bound the scores
+    held at once."""
+    if q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scale, kt = q.shape[-1] ** -0.5, k.transpose(-1, -2)
+    outs = []
+    for i in range(0, q.shape[-2], tile):
+        scores = torch.matmul(q[..., i : i + tile, :], kt).float() * scale
+        probs = torch.softmax(scores.masked_fill(~mask[..., i : i + tile, :], float("-inf")), dim=-1)
+        outs.append(torch.matmul(probs.to(v.dtype), v))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def context_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:

@@ -87,12 +87,15 @@ class StepProfile:
     def observe_drafted(self, r: int, b: int, seconds: float) -> None:
         """A whole drafted step (proposal for r requests, b forward tokens) took these seconds."""
         predicted = self.draft(r) + self.verify(b)
-        self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds)
+        self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
-    def _smoothed(self, scale: float, profiled: float, seconds: float) -> float:
+    def _smoothed(self, scale: float, profiled: float, seconds: float, clip: float = 10.0) -> float:
+        """One step's measured / profiled ratio, clipped to [1/clip, clip], folded into the scale. The
+        drafted-step scale clips at 2: drafted steps are rare, so one outlier (a new batch shape's first
+        forward) would otherwise hold the gate closed for many of them."""
         if profiled <= 0 or seconds <= 0:
             return scale
-        ratio = min(10.0, max(0.1, seconds / profiled))
+        ratio = min(clip, max(1 / clip, seconds / profiled))
         return (1 - self.smoothing) * scale + self.smoothing * ratio
 
     def to_json(self) -> str:

@@ -1,0 +1,34 @@
+"""A row's logits do not depend on how many rows share its forward, in float32 and bfloat16.
+
+Speculative greedy output equals plain greedy output only if verifying [x, d_1..d_l] gives
+row x exactly what a plain one-token step gives it. In bfloat16 a fused attention kernel
+blocks its work by the number of queries, and its rounding differences, amplified by
+bfloat16 activations over the layers, flipped greedy tokens on the shipped model; short
+queries are therefore computed as plain matrix products over tiles of query rows (`models/attention.py`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark.engine.batch import BatchRow
+from tests.test_spec_engine import engine_for
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_verify_row_gets_what_a_plain_step_gets(qwen3_dir, dtype):
+    engine = engine_for(qwen3_dir, dtype=dtype, num_kv_blocks=64)
+    runner, pool = engine.runner, engine.kv.pool
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, engine.model.config.vocab_size, (64,), generator=gen).tolist()
+    tol = 0.0 if dtype == "bfloat16" else 1e-4  # float32 kernels differ by rounding only; bfloat16 must be exact
+    with torch.inference_mode():
+        for c in range(20, 44):  # every offset into a 4-token KV block, and a block boundary crossed or not
+            sid = f"s{c}"
+            pool.append(sid, c + 8)
+            runner.target_forward([BatchRow(sid, ids[:c], c, 1)])
+            _, one = runner.target_forward([BatchRow(sid, [ids[c]], c + 1, 1)])
+            _, eight = runner.target_forward([BatchRow(sid, ids[c:c + 8], c + 8, 8)])
+            assert (one.logits[0] - eight.logits[0]).abs().max().item() <= tol, c
+            pool.free(sid)

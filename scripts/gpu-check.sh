@@ -7,8 +7,8 @@
 #   OUT=/tmp/gpu bash scripts/gpu-check.sh            # the CUDA checks and benchmarks
 #   OUT=/tmp/gpu DEVICE=cpu SMALL=1 bash scripts/gpu-check.sh   # a dry run of this script on CPU
 #
-# Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), the per-step diagnostic
-# (scripts/gpu-steps.py, device synchronized every step; once as is and once with
+# Steps, in order of value: the CUDA exactness tests (tests/test_gpu.py), the step anatomy
+# (`dspark bench steps`, device synchronized every step; once as is and once with
 # CUDA_MODULE_LOADING=EAGER, to see what cold kernels cost), single-stream peers (transformers
 # generate() and prompt lookup vs this engine's none and dspark), online mixed and online hostile (in lockstep,
 # with an A/A `none#2` row). Writes $OUT/log.txt (the diagnostic's lines included) and $OUT/results.tar.gz (docs/results
@@ -32,10 +32,10 @@ step() {  # step LIMIT_S CMD...: run one step, log its output, never stop the sc
 }
 
 if [ "$SMALL" = 1 ]; then
-  STEPS="--max-tokens 16"; PEERS="--num-prompts 1 --max-tokens 16"; ONLINE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"
+  STEPS="--max-tokens 16 --num-prompts 1 --repeats 1"; PEERS="--num-prompts 1 --max-tokens 16"; ONLINE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"
   HOSTILE="--concurrency 1,4 --requests-per-client 1 --num-prompts 4"; LIMIT=300; HLIMIT=300
 else
-  STEPS="--max-tokens 96"; PEERS="--num-prompts 2 --max-tokens 128 --repeats 2"
+  STEPS="--max-tokens 96 --repeats 1"; PEERS="--num-prompts 2 --max-tokens 128 --repeats 2"
   ONLINE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"
   HOSTILE="--concurrency 1,4,16,64 --requests-per-client 2 --repeats 2"; LIMIT=150; HLIMIT=90
 fi
@@ -46,9 +46,10 @@ fi
 [ "$DEVICE" = cuda ] && step 45 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py
 for c in 1 16; do
   # shellcheck disable=SC2086
-  step 35 python3 scripts/gpu-steps.py --device "$DEVICE" --concurrency $c $STEPS
+  step 35 python3 -m dspark bench steps --device "$DEVICE" --concurrency $c $STEPS --out "$OUT/r/steps-c$c"
   # shellcheck disable=SC2086
-  step 35 env CUDA_MODULE_LOADING=EAGER python3 scripts/gpu-steps.py --device "$DEVICE" --concurrency $c $STEPS
+  step 35 env CUDA_MODULE_LOADING=EAGER python3 -m dspark bench steps --device "$DEVICE" --concurrency $c $STEPS \
+    --out "$OUT/r/steps-c$c-eager"
 done
 # shellcheck disable=SC2086
 step 140 python3 -m dspark bench peers --device "$DEVICE" --profile refresh $PEERS --out "$OUT/r/peers"

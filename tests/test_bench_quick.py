@@ -60,8 +60,10 @@ def test_peers_quick(tmp_path, monkeypatch):
 
 
 def test_steps_quick(tmp_path):
-    res = bench("steps", "--model", "dspark-tiny", "--configs", "none;dspark:static:3;ngram:static:3@0", out=tmp_path)
+    res = bench("steps", "--model", "dspark-tiny", "--configs", "none;dspark:static:3;ngram:static:3@0",
+                "--concurrency", "2", out=tmp_path)
     rows = res["results"]
+    assert res["settings"]["concurrency"] == 2 and rows["none"]["tokens"] % 2 == 0  # whole batches of two
     assert rows["none"]["plain"]["n"] > 0 and "drafted" not in rows["none"]
     assert rows["dspark:static:3"]["drafted"]["n"] > 0 and rows["dspark:static:3"]["drafted_over_plain"] > 0
     assert "proposal / plain" in (tmp_path / "steps.md").read_text()

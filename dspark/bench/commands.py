@@ -126,6 +126,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     a.add_argument("--num-prompts", type=int, default=None, help="per dataset (gsm8k, humaneval, mt-bench)")
     a.add_argument("--max-tokens", type=int, default=None)
     a.add_argument("--repeats", type=int, default=None)
+    a.add_argument("--concurrency", type=int, default=None, help="requests stepped together (default 1)")
     a.set_defaults(func=run_steps)
 
     t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
@@ -228,7 +229,7 @@ def run_steps(args: argparse.Namespace) -> int:
 
     fields = {"num_prompts": 1, "max_tokens": 16, "repeats": 1} if args.quick else {}
     fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
-                         repeats="repeats"))
+                         repeats="repeats", concurrency="concurrency"))
     if args.configs is not None:
         fields["configs"] = tuple(args.configs)
     data = steps.run(steps.StepsSettings(**fields), _out(args, "steps"))

@@ -13,9 +13,11 @@ configuration measured in the same run:
   when the tokens a drafted step emits (τ) exceed this ratio.
 
 Passes alternate between the configurations (`--repeats`), and every configuration shares one
-copy of the target's weights.
+copy of the target's weights. `--concurrency C` runs C requests at a time (each step then
+serves C requests; its τ counts the tokens of all of them).
 
     dspark bench steps --model dspark-small --configs 'none;dspark:static:7;dspark:static:7@2048'
+    dspark bench steps --device cuda --concurrency 16          # the GPU diagnostic
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dspark.bench.prompts import load_prompt_texts
 from dspark.config import EngineConfig, default_device
 from dspark.engine.engine import LLMEngine
 from dspark.engine.factory import build_engine
-from dspark.models.loader import load_model, resolve_model_path
+from dspark.models.loader import load_model, model_label, resolve_model_path
 from dspark.sampling import SamplingParams
 
 DATASETS = ("gsm8k", "humaneval", "mt-bench")
@@ -46,6 +48,7 @@ class StepsSettings:
     max_tokens: int = 96
     repeats: int = 2
     device: str | None = None  # default: cuda when available
+    concurrency: int = 1  # requests stepped together
 
 
 def parse_config(name: str) -> tuple[str | None, str, int | None]:
@@ -62,12 +65,15 @@ def parse_config(name: str) -> tuple[str | None, str, int | None]:
     return drafter, policy, int(vocab) if vocab else None
 
 
-def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, sync) -> list[tuple[bool, float, dict, int]]:
-    """(drafted?, wall seconds, phase seconds, tokens emitted) of every step that ran, one prompt at a time."""
+def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, sync,
+             concurrency: int = 1) -> list[tuple[bool, float, dict, int]]:
+    """(drafted?, wall seconds, phase seconds, tokens emitted) of every step that ran, `concurrency`
+    prompts at a time."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     rows = []
-    for prompt in prompts:
-        engine.add_request(prompt, params)
+    for i in range(0, len(prompts), concurrency):
+        for prompt in prompts[i : i + concurrency]:
+            engine.add_request(prompt, params)
         while engine.has_unfinished():
             t = time.perf_counter()
             step = engine.step()
@@ -109,18 +115,22 @@ def run(settings: StepsSettings, out_dir: str) -> dict:
                for name, (drafter, policy, vocab) in specs.items()}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     prompts = load_prompt_texts(list(DATASETS), settings.num_prompts)
+    c = settings.concurrency
+    if c < 1:
+        raise ValueError("--concurrency must be at least 1")
+    prompts = (prompts * -(-c // len(prompts)))[: max(c, len(prompts) // c * c)]  # whole batches of c
     for engine in engines.values():
         one_pass(engine, prompts[:1], 16, sync)  # warm-up: one-time costs stay out of the figures
     rows: dict[str, list] = {name: [] for name in engines}
     for r in range(settings.repeats):
         order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
         for name in order:
-            rows[name] += one_pass(engines[name], prompts, settings.max_tokens, sync)
+            rows[name] += one_pass(engines[name], prompts, settings.max_tokens, sync, c)
     results = {name: summarize(rs) for name, rs in rows.items()}
     plain_ms = results["none"].get("plain", {}).get("ms")
     for res in results.values():
         res.update(ratios(res, plain_ms), speedup=res["tok_s"] / results["none"]["tok_s"])
-    payload = {"settings": settings.__dict__ | {"configs": list(settings.configs)}, "model": str(path),
+    payload = {"settings": settings.__dict__ | {"configs": list(settings.configs)}, "model": model_label(path),
                "plain_step_ms": plain_ms, "results": results}
     report.write(out_dir, "steps", payload, markdown(payload))
     return payload
@@ -129,7 +139,7 @@ def run(settings: StepsSettings, out_dir: str) -> dict:
 def markdown(payload: dict) -> str:
     s = payload["settings"]
     head = (f"# Step anatomy: model `{payload['model']}`\n\n"
-            f"Batch size 1, greedy, exactly {s['max_tokens']} tokens for each of {s['num_prompts']} prompts from "
+            f"{s.get('concurrency', 1)} request(s) per step, greedy, exactly {s['max_tokens']} tokens for each of {s['num_prompts']} prompts from "
             f"{', '.join(DATASETS)} (chat template), {s['repeats']} alternating passes; medians per step, device "
             "synchronised after every step. Ratios are against the plain step of `none` in this run "
             f"({report.cell(payload['plain_step_ms'], 2)} ms). A drafted step pays when its τ (tokens it emits) "

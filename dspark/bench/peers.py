@@ -32,6 +32,7 @@ from dspark import report
 from dspark.bench.prompts import Prompt, load_dataset
 from dspark.bench.summary import ratio
 from dspark.bench.workload import engine_config, render
+from dspark.models.loader import model_label
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
 
 
 def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:
-    md = [f"# Single stream: dspark vs transformers on `{path.name}`\n\n",
+    md = [f"# Single stream: dspark vs transformers on `{model_label(path)}`\n\n",
           f"Greedy, exactly {s.max_tokens} new tokens per prompt (EOS ignored), {s.num_prompts} prompts from each of "
           f"{', '.join(s.datasets)} (chat template), {s.repeats} alternating pass(es), order rotating per prompt.\n"]
     if note:

@@ -63,7 +63,7 @@ def peers_checks(res: dict | None) -> list[Check]:
     by_domain = {r["domain"]: r for r in res.get("domain_rows", []) if spec and r["system"] == spec["system"]}
     checks = [Check(f"single stream, {d}: {SPEC} / none", 2.0, by_domain.get(d, {}).get("vs_dspark_none"),
                     "peers/peers.json") for d in ("math", "code")]
-    checks.append(Check(f"single stream: {SPEC} / transformers generate()", 3.0,
+    checks.append(Check(f"single stream: {SPEC} / transformers generate()", 2.0,
                         spec["vs_transformers"] if spec else None, "peers/peers.json"))
     return checks
 

@@ -180,6 +180,7 @@ def test_the_online_correction_scales_every_batch_shape_alike():
     assert prof.cost(1, 8) > after[1] + after[2] and prof.spec_scale <= 1 + prof.smoothing + 1e-5
     cached = StepProfile.from_json(prof.to_json())
     assert cached.cost(1, 8) == prof.cost(1, 8)
+    assert prof.draft(0.25) == 0.25 * prof.draft(1)  # a router's share of requests: a run in that share of steps
 
 
 def test_drafted_steps_slower_than_profiled_close_the_gate():

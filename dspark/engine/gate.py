@@ -32,7 +32,8 @@ class GateConfig:
     probe_requests: int = 2  # a probe drafts for this many requests (the acceptance estimates are shared)
     caution: float = 0.0  # standard errors taken off the acceptance estimates before judging (guards
     # against opening for every request on a few lucky probes); 1.0 kept EAGLE-3 under the dspark
-    # policy at 1.35x plain where static:7 ran 1.53x (dspark-small, one request), 0 ran 1.71x
+    # policy at 1.35x plain where static:7 ran 1.53x (dspark-small in bfloat16, one request, a
+    # short lockstep run not kept), 0 ran 1.71x
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
@@ -64,9 +65,7 @@ class Gate:
     def cost(self, r: float, b: int) -> float:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
         assert self.profile is not None
-        k = r * self.draft_share  # below one request: a run for one in that fraction of the steps
-        draft = self.profile.draft(k) if k >= 1 else k * self.profile.draft(1)
-        return (draft + self.profile.verify(b)) * self.profile.spec_scale
+        return self.profile.cost(r * self.draft_share, b)
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests

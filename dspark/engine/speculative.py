@@ -85,12 +85,14 @@ class SpeculativeRunner:
         block, lengths = None, [0] * len(decode)
         if decode:
             self.drafter.extend(self.pending.take([s.request for s in decode]))
-            result.times["catch_up"] = time.perf_counter() - t0  # context committed since it last drafted
+            caught_up = time.perf_counter()
             block = self._propose(decode)
-            result.times["draft"] = time.perf_counter() - t0 - result.times["catch_up"]
+            proposed = time.perf_counter()
+            # catch_up: the context committed since the drafter last drafted for these requests
+            result.times["catch_up"], result.times["draft"] = caught_up - t0, proposed - caught_up
             lengths = self._choose(block, caps, other_tokens)
         t1 = time.perf_counter()
-        result.times["schedule"] = t1 - t0 - result.times.get("draft", 0.0) - result.times.get("catch_up", 0.0)
+        result.times["schedule"] = t1 - t0 - sum(result.times.values())
         drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
         rows = [self.base.plain_row(s) for s in plain] + [self._verify_row(s, d[:ell]) for s, d, ell in
                                                       zip(decode, drafts, lengths, strict=True)]

@@ -68,12 +68,16 @@ class StepProfile:
     def verify(self, b: int) -> float:
         return interp(self.tokens, self.verify_s, b) * self.verify_scale
 
-    def draft(self, r: int) -> float:
+    def draft(self, r: float) -> float:
+        """Seconds of a proposal for r requests; below one request (a router that sends a fraction
+        of its requests to this drafter), one request's proposal in that fraction of the steps."""
         if r <= 0:
             return 0.0
+        if r < 1:
+            return r * self.draft(1)
         return interp(self.requests, self.draft_s, r) * self.verify_scale
 
-    def cost(self, r: int, b: int) -> float:
+    def cost(self, r: float, b: int) -> float:
         """Seconds of a speculative step: draft for r requests, verify b tokens, accept."""
         return (self.draft(r) + self.verify(b)) * self.spec_scale
 

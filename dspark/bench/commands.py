@@ -100,6 +100,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     q.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
     q.add_argument("--assistant", default=None,
                    help="also transformers assisted generation with this smaller model (same tokenizer)")
+    q.add_argument("--llama-cpp", default=None, metavar="DIR",
+                   help="also llama.cpp from this built source tree: plain, and with --assistant as its draft model")
     q.set_defaults(func=run_peers)
 
     k = sub.add_parser("soak", help="dspark serve under mixed load and faults: RSS and KV pool over time, errors")
@@ -186,7 +188,8 @@ def run_peers(args: argparse.Namespace) -> int:
 
     fields = dict(peers.QUICK) if args.quick else {}
     fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
-                         repeats="repeats", profile="profile", assistant="assistant"))
+                         repeats="repeats", profile="profile", assistant="assistant",
+                         llama_cpp="llama_cpp"))
     peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
     return 0
 

@@ -12,7 +12,8 @@ plainly (`none`), this engine with the model's default drafter verifying its who
 when no drafter is shipped for the model, `ngram` stands in and the report says so), and this
 engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers'), and
 with `--assistant MODEL` transformers' assisted generation with that smaller model of the same
-tokenizer as its draft model (what a CPU user would try first). Runs
+tokenizer as its draft model (what a CPU user would try first); with `--llama-cpp DIR` also llama.cpp
+plainly and (with `--assistant`) with that model as its draft model (bench/llamacpp.py). Runs
 alternate prompt by prompt, the order rotating, so drift hits every system alike; results
 are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
 system's greedy tokens match transformers' (a sanity check: in bf16 two implementations can
@@ -29,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from dspark import report
+from dspark.bench.llamacpp import Measured
 from dspark.bench.prompts import Prompt, load_dataset
 from dspark.bench.summary import ratio
 from dspark.bench.workload import engine_config, render
@@ -46,19 +48,38 @@ class PeersSettings:
     profile: str = "auto"
     device: str | None = None
     assistant: str | None = None  # a smaller model with the same tokenizer: transformers assisted generation
+    llama_cpp: str | None = None  # a built llama.cpp tree: its plain and (with assistant) draft-model decoding
 
 
 QUICK = dict(num_prompts=1, max_tokens=32, repeats=1)
 
 
-def _timed(fn, device: torch.device) -> tuple[float, list[int]]:
+def _timed(fn, device: torch.device) -> Measured:
+    """fn() timed here, unless it times itself (an external program reports its own time)."""
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
     ids = fn()
+    if isinstance(ids, Measured):
+        return ids
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return time.perf_counter() - start, ids
+    return Measured(time.perf_counter() - start, len(ids), ids, {})
+
+
+def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
+    """llama.cpp plain, and with the assistant as its draft model when one is given."""
+    from dspark.bench import llamacpp
+    from dspark.models.loader import resolve_model_path
+
+    ll = llamacpp.LlamaCpp(Path(s.llama_cpp).expanduser())
+    target = llamacpp.gguf(ll, path)
+    systems = {f"llama.cpp ({ll.outtype})": llamacpp.plain(ll, target, tok, s.max_tokens)}
+    if s.assistant:
+        draft = llamacpp.gguf(ll, resolve_model_path(s.assistant))
+        systems[f"llama.cpp draft model ({Path(str(s.assistant)).name}, {ll.draft_max})"] = llamacpp.speculative(
+            ll, target, draft, tok, s.max_tokens)
+    return systems
 
 
 def engine_system(engine, max_tokens: int):
@@ -142,6 +163,8 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     if drafter != "ngram":  # this engine's own prompt lookup, beside transformers'
         systems["dspark ngram:dspark"] = engine_system(build_engine(path, "ngram", "dspark", cfg, profile=s.profile),
                                                        s.max_tokens)
+    if s.llama_cpp:
+        systems.update(llama_systems(s, path, tok))
     names = list(systems)
     for fn in systems.values():  # warm-up
         fn(jobs[0].ids[-32:])
@@ -150,18 +173,21 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     same = dict.fromkeys(names, 0)
     same_plain = dict.fromkeys(names, 0)  # lossless check: greedy tokens equal this engine's plain decoding
     per_domain: dict[tuple[str, str], list[float]] = {}  # (system, domain) -> [seconds, tokens]
+    extra: dict[str, list[dict]] = {n: [] for n in names}  # what an external system reported per run
     runs = [(r, i) for r in range(s.repeats) for i in range(len(jobs))]
     for r, i in tqdm(runs, desc="peers", disable=None):
         shift = (r * len(jobs) + i) % len(names)
         outputs = {}
         for name in names[shift:] + names[:shift]:
-            dt, ids = _timed(lambda fn=systems[name], p=jobs[i].ids: fn(p), hf.device)
-            seconds[name] += dt
-            tokens[name] += len(ids)
-            outputs[name] = ids
+            m = _timed(lambda fn=systems[name], p=jobs[i].ids: fn(p), hf.device)
+            seconds[name] += m.seconds
+            tokens[name] += m.tokens
+            outputs[name] = m.ids
+            if m.extra:
+                extra[name].append({"prompt_ids": len(jobs[i].ids), **m.extra})
             acc = per_domain.setdefault((name, jobs[i].domain), [0.0, 0])
-            acc[0] += dt
-            acc[1] += len(ids)
+            acc[0] += m.seconds
+            acc[1] += m.tokens
         for name in names:
             same[name] += outputs[name] == outputs[names[0]]
             same_plain[name] += outputs[name] == outputs["dspark none"]
@@ -175,12 +201,30 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     domain_rows = [{"system": n, "domain": d, "tok_s": speed[n, d],
                     "vs_transformers": ratio(speed[n, d], speed[names[0], d]),
                     "vs_dspark_none": ratio(speed[n, d], speed["dspark none", d])} for n in names for d in domains]
-    md = markdown(rows, domain_rows, s, path, note)
+    external = {n: runs for n, runs in extra.items() if runs}
+    md = markdown(rows, domain_rows, s, path, note) + external_notes(external)
     payload = {"benchmark": "peers", "model": str(path), "settings": asdict(s), "drafter": drafter,
-               "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows, "domain_rows": domain_rows}
+               "policy": policy, "note": note, "num_prompts": len(jobs), "rows": rows, "domain_rows": domain_rows,
+               "external": external}
     report.write(out, "peers", payload, md)
     print(md)
     return payload
+
+
+def external_notes(external: dict[str, list[dict]]) -> str:
+    """What llama.cpp reported: its prompt lengths beside this project's, its draft acceptance."""
+    if not external:
+        return ""
+    lines = ["\nllama.cpp times are its own (prompt evaluation + decoding, loading excluded); it bans the end token "
+             "under `--ignore-eos`, so its text parts from the others' after the model's first end token.\n"]
+    for name, runs in external.items():
+        same = sum(r["prompt_tokens"] == r["prompt_ids"] for r in runs)
+        line = f"\n- {name}: prompt tokenised to dspark's length in {same} of {len(runs)} runs"
+        accept = [r["accept"] for r in runs if "accept" in r and r["accept"] == r["accept"]]
+        if accept:
+            line += f"; draft tokens accepted {100 * sum(accept) / len(accept):.1f}% (mean over runs)"
+        lines.append(line + ".")
+    return "".join(lines) + "\n"
 
 
 def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:

@@ -1,0 +1,155 @@
+"""llama.cpp as a peer in `dspark bench peers --llama-cpp DIR`: its plain decoding and its speculative decoding
+with a draft model, on the same checkpoints converted to GGUF, the same prompts and the same number of new tokens.
+
+DIR is a llama.cpp source tree with its examples built, e.g. the one vendored in the `llama-cpp-python` sdist:
+
+    cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build -j --target llama-completion llama-speculative-simple
+
+Models are converted once with DIR's own `convert_hf_to_gguf.py` into `~/.cache/dspark/gguf/`. The converter
+names a BPE pre-tokenizer by hashing how the tokenizer splits a test string and does not know dspark's (a
+byte-level BPE with GPT-2's split rule), so it is told `gpt-2`; the report gives llama.cpp's prompt lengths
+beside dspark's so any difference in tokenisation shows. Times are llama.cpp's own (prompt evaluation plus
+decoding, model loading excluded), as this engine's are. `--ignore-eos` in llama.cpp bans the end token (the
+engine here emits it and goes on), so a prompt where the model would end early continues differently there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One generation timed by the system that ran it (load time excluded)."""
+
+    seconds: float
+    tokens: int
+    ids: list[int]  # its text in this project's token ids, for the greedy-match check
+    extra: dict
+
+
+CONVERT = """
+import sys
+sys.path[:0] = ["gguf-py", "."]
+import convert_hf_to_gguf as c
+c.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+c.main()
+"""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    """A built llama.cpp tree and how to run it."""
+
+    root: Path
+    threads: int = 2
+    draft_max: int = 7  # draft tokens per step (llama.cpp's --spec-draft-n-max)
+    outtype: str = "f32"  # GGUF weight type; f32 matches this engine's CPU default
+
+    def binary(self, name: str) -> Path:
+        path = self.root / "build" / "bin" / name
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: build llama.cpp's examples in {self.root} "
+                                    f"(cmake --build build --target llama-completion llama-speculative-simple)")
+        return path
+
+
+def gguf(ll: LlamaCpp, model_dir: Path, cache: Path | None = None) -> Path:
+    """The model at model_dir as GGUF, converted on first use and cached by its weights' size and time."""
+    weights = sorted(model_dir.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors to convert")
+    stamp = "|".join(f"{w.name}:{w.stat().st_size}:{w.stat().st_mtime_ns}" for w in weights)
+    key = hashlib.sha1(f"{model_dir.resolve()}|{stamp}".encode()).hexdigest()[:12]
+    out = (cache or Path.home() / ".cache" / "dspark" / "gguf") / f"{model_dir.name}-{key}-{ll.outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        part = out.with_suffix(".part")
+        done = subprocess.run([sys.executable, "-c", CONVERT, str(model_dir), "--outfile", str(part),
+                               "--outtype", ll.outtype], cwd=ll.root, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"GGUF conversion of {model_dir} failed:\n{done.stderr[-2000:]}")
+        part.rename(out)
+    return out
+
+
+def _seconds(pattern: str, log: str, scale: float) -> tuple[float, int]:
+    found = re.search(pattern, log)
+    if found is None:
+        raise RuntimeError(f"llama.cpp printed no timing matching {pattern!r}:\n{log[-1500:]}")
+    return float(found.group(1)) * scale, int(found.group(2))
+
+
+def parse_completion(log: str) -> tuple[float, int, int]:
+    """llama-completion's perf lines -> (seconds from its timer reset before the prompt to the end: prompt,
+    decoding, sampling and host work, as the engine here is timed), prompt tokens, decode runs."""
+    _, prompt_n = _seconds(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log, 1e-3)
+    _, runs = _seconds(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", log, 1e-3)
+    total, _ = _seconds(r"total time =\s*([\d.]+) ms /\s*(\d+) tokens", log, 1e-3)
+    return total, prompt_n, runs
+
+
+def parse_speculative(log: str) -> tuple[float, int, int, float]:
+    """llama-speculative-simple's summary -> (prompt + decode seconds, prompt tokens, tokens decoded,
+    draft acceptance rate)."""
+    found = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    if found is None:
+        raise RuntimeError(f"llama.cpp printed no prompt timing:\n{log[-1500:]}")
+    enc_n, enc_s = int(found.group(1)), float(found.group(2))
+    found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    if found is None:
+        raise RuntimeError(f"llama.cpp printed no decode timing:\n{log[-1500:]}")
+    dec_n, dec_s = int(found.group(1)), float(found.group(2))
+    accept = re.search(r"accept\s*=\s*([\d.]+)%", log)
+    return enc_s + dec_s, enc_n, dec_n, float(accept.group(1)) / 100 if accept else float("nan")
+
+
+def _common(ll: LlamaCpp, model: Path, prompt: str, max_tokens: int) -> list[str]:
+    return ["-m", str(model), "-p", prompt, "-n", str(max_tokens), "--ignore-eos", "--temp", "0", "--top-k", "1",
+            "--seed", "0", "-t", str(ll.threads), "-tb", str(ll.threads), "-c", "2048", "-ngl", "0"]
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
+                          env={**os.environ, "LLAMA_LOG_COLORS": "0"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return done
+
+
+def plain(ll: LlamaCpp, model: Path, tokenizer, max_tokens: int):
+    """prompt ids -> Measured, llama.cpp decoding one token per step (llama-completion)."""
+    exe = ll.binary("llama-completion")
+
+    def generate(ids: list[int]) -> Measured:
+        prompt = tokenizer.decode(ids, skip_special_tokens=False)
+        done = _run([str(exe), *_common(ll, model, prompt, max_tokens), "-no-cnv", "--no-display-prompt"])
+        seconds, prompt_n, runs = parse_completion(done.stderr)
+        return Measured(seconds, max_tokens, tokenizer.encode(done.stdout)[:max_tokens], {"prompt_tokens": prompt_n})
+
+    return generate
+
+
+def speculative(ll: LlamaCpp, model: Path, draft: Path, tokenizer, max_tokens: int):
+    """prompt ids -> Measured, llama.cpp's speculative decoding with a draft model (llama-speculative-simple)."""
+    exe = ll.binary("llama-speculative-simple")
+
+    def generate(ids: list[int]) -> Measured:
+        prompt = tokenizer.decode(ids, skip_special_tokens=False)
+        done = _run([str(exe), *_common(ll, model, prompt, max_tokens), "-md", str(draft), "-ngld", "0",
+                     "--spec-draft-n-max", str(ll.draft_max)])
+        seconds, prompt_n, decoded, accept = parse_speculative(done.stderr)
+        text = done.stdout.lstrip("\n")
+        text = text[len(prompt):] if text.startswith(prompt) else ""
+        return Measured(seconds, decoded, tokenizer.encode(text)[:max_tokens],
+                        {"prompt_tokens": prompt_n, "accept": accept})
+
+    return generate

@@ -34,10 +34,13 @@ def bound(kind: str, target, **over):
     return d
 
 
-def serve_vs_train(kind: str, target, context: list[int], head: str = "markov"):
+def serve_vs_train(kind: str, target, context: list[int], head: str = "markov", **over):
     """Greedy proposal through the paged serving path, then the teacher-forced training
     forward over context + the drafted tokens: per-position logits must agree."""
-    d = bound(kind, target, **({"head": head} if kind == "dspark" else {}))
+    d = bound(kind, target, **({"head": head} if kind == "dspark" else {}), **over)
+    if d.config.context_residual:  # a trained projection, not the zero it starts at
+        with torch.no_grad():
+            d.backbone.residual.weight.normal_(0, 0.3)
     ids = torch.tensor([context])
     with torch.no_grad():
         _, taps = target.forward_dense(ids, d.taps)
@@ -59,6 +62,35 @@ def test_dspark_serving_equals_teacher_forced(target, head):
     assert block.tokens[0].tolist() == logits.argmax(-1).tolist()  # greedy: same tokens
     assert conf is not None and torch.allclose(block.confidence[0], torch.sigmoid(conf[0, 0]), atol=1e-5)
     assert d.pool.length("r") == 16  # the block's temporary slots were rolled back
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_context_residual_serving_equals_teacher_forced(target, kind):
+    context = list(range(3, 20))
+    d, block, logits, conf = serve_vs_train(kind, target, context, context_residual=True)
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
+    full = torch.tensor([context + block.tokens[0].tolist()])
+    with torch.no_grad():
+        _, taps = target.forward_dense(full, d.taps)
+        d.backbone.residual.weight.zero_()
+        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
+    assert not torch.allclose(logits, without[0, 0], atol=1e-3)  # the feature really enters the block
+
+
+def test_context_residual_starts_as_the_drafter_it_grows_from(target):
+    from dspark.train.drafter import with_context_residual
+
+    d = bound("dspark", target)
+    wide = with_context_residual(d)
+    wide._target = [target]
+    tokens = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        _, taps = target.forward_dense(tokens, d.taps)
+        a, ca = d.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+        b, cb = wide.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+    assert wide.config.context_residual and torch.equal(a, b) and torch.equal(ca, cb)
+    with pytest.raises(ValueError, match="block-backbone option"):
+        new_config("eagle3", target.config, 5, context_residual=True)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp"])

@@ -4,7 +4,9 @@ Context features `H_ctx = RMSNorm(W_c [H(l1); ...; H(lm)])` are never run throug
 layers: each layer projects them to keys/values (`context_kv`) that the block's queries
 attend to, together with the block's own keys/values. The block (anchor-first:
 `[x0, mask, ..., mask]`, gamma slots) is bidirectional within itself and sees only context
-before the anchor. Two attention paths share every weight:
+before the anchor. With `context_residual` every slot's residual stream also starts from `W_r H_ctx` of the
+position before the anchor (zero at init, so an older drafter grows into it unchanged). Two attention paths share
+every weight:
 - serving: context K/V live in a paged cache per request (written by `write_context`), the
   block is a flat batch attending through `paged_attention` with a non-causal mask;
 - training: dense tensors with an explicit mask (`forward_dense`).
@@ -40,6 +42,9 @@ class Backbone(nn.Module):
         lc = layer_config(cfg)
         self.fc = nn.Linear(len(cfg.taps) * cfg.hidden_size, cfg.hidden_size, bias=False)  # W_c
         self.ctx_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.residual = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False) if cfg.context_residual else None
+        if self.residual is not None:
+            nn.init.zeros_(self.residual.weight)
         self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
@@ -47,6 +52,12 @@ class Backbone(nn.Module):
     def context(self, taps: torch.Tensor) -> torch.Tensor:
         """Tapped target hidden states [..., m*d] -> H_ctx [..., d]."""
         return self.ctx_norm(self.fc(taps))
+
+    def block_start(self, x: torch.Tensor, h_last: torch.Tensor | None) -> torch.Tensor:
+        """Block embeddings x [..., g, d] plus W_r H_ctx [..., d] of the position before each anchor."""
+        if self.residual is None:
+            return x
+        return x + self.residual(h_last)[..., None, :]
 
     def context_kv(self, layer: DecoderLayer, h_ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """H_ctx [..., d] -> K [..., Hkv, D] (k-norm, RoPE at the context positions), V."""

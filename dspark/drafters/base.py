@@ -58,6 +58,8 @@ class DrafterConfig:
     #                      block is run whole and its first gamma proposals kept, as its trainer did
     anchor_slot: bool = True  # the anchor's own slot predicts x_1 (DSpark); False: slot k predicts x_k (DFlash)
     confidence_markov: bool = True  # the confidence head reads [h_k; W1[x_{k-1}]]; False: h_k alone
+    context_residual: bool = False  # every block slot starts from its embedding + W_r H_ctx of the position before
+    #                                 the anchor (dspark, dflash): the feature EAGLE-3 feeds its residual stream
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
     serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
@@ -84,6 +86,8 @@ class DrafterConfig:
         if self.rope_scaling is not None:
             scaling = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) else self.rope_scaling
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, v) for k, v in scaling)))
+        if self.context_residual and self.kind not in ("dspark", "dflash"):
+            raise ValueError(f"context_residual is a block-backbone option (dspark, dflash), not {self.kind}'s")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 

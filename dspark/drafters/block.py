@@ -31,16 +31,34 @@ class BlockDrafter(NeuralDrafter):
             if config.head != "none" else None
         self.conf = ConfidenceHead(config.hidden_size, config.rank if config.confidence_markov else 0) \
             if config.confidence else None
+        self.features: torch.Tensor | None = None  # [slots, d] H_ctx per cache slot (context_residual, after bind)
 
     @property
     def has_confidence(self) -> bool:
         return self.conf is not None
 
     # ---- serving ----------------------------------------------------------------------
+    def bind(self, target, num_blocks: int, block_size: int) -> None:
+        super().bind(target, num_blocks, block_size)
+        # with context_residual, H_ctx itself is kept per cache slot: propose reads the one before each anchor
+        self.features = torch.zeros(num_blocks * block_size, self.config.hidden_size, device=target.device,
+                                    dtype=target.dtype) if self.backbone.residual is not None else None
+
     def write_context(self, rows: Sequence[ContextRow]) -> None:
         feats = torch.cat([r.features for r in rows]).to(self.target.dtype)  # [N, m*d]
         slots, positions = self.slots_and_positions(rows)
-        self.backbone.write_context(self.backbone.context(feats), positions, slots, self.cache.layers)
+        h_ctx = self.backbone.context(feats)
+        self.backbone.write_context(h_ctx, positions, slots, self.cache.layers)
+        if self.features is not None:
+            self.features[slots] = h_ctx
+
+    def last_context(self, inputs: Sequence[ProposeInput]) -> torch.Tensor | None:
+        """H_ctx [R, d] of the position before each anchor (zero with no context), when the backbone reads it."""
+        if self.features is None:
+            return None
+        slots = [self.pool.slots(i.seq_id, i.context_len - 1, 1)[0] if i.context_len else 0 for i in inputs]
+        keep = upload([float(i.context_len > 0) for i in inputs], self.target.device, self.features.dtype)
+        return self.features[upload(slots, self.target.device)] * keep[:, None]
 
     def block_inputs(self, anchors: torch.Tensor, slots: int | None = None) -> torch.Tensor:
         """anchors [...] -> block token ids [..., slots] (default gamma): the anchor, then masks."""
@@ -61,7 +79,8 @@ class BlockDrafter(NeuralDrafter):
                 [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev, causal=False,
             )
             anchors = upload([i.anchor for i in inputs], dev)
-            x = self.embed(self.block_inputs(anchors, g).flatten())  # [R*g, d]
+            x = self.backbone.block_start(self.embed(self.block_inputs(anchors, g)), self.last_context(inputs))
+            x = x.flatten(0, 1)  # [R*g, d]
             hidden = self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1)
         finally:
             for inp in inputs:
@@ -117,9 +136,9 @@ class BlockDrafter(NeuralDrafter):
         block_pos = anchors[..., None] + offs  # [B, A, g]
         last = tokens.shape[1] - 1
         prev = tokens.gather(1, block_pos.clamp(max=last).flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
-        x = self.embed(self.block_inputs(prev[..., 0]))  # [B, A, g, d]
         mask = block_mask(anchors, g, taps.shape[1])
         h_ctx = self.backbone.context(taps)
+        x = self.backbone.block_start(self.embed(self.block_inputs(prev[..., 0])), before_anchor(h_ctx, anchors))
         hidden = self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1)
         logits = self.lm_head(hidden)
         conf, emb = None, None
@@ -131,6 +150,13 @@ class BlockDrafter(NeuralDrafter):
             conf = self.conf(hidden.detach(), None if emb is None else emb.detach()) if conf_stop_grad \
                 else self.conf(hidden, emb)
         return logits, conf
+
+
+def before_anchor(h_ctx: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """H_ctx [B, T, d] at the position before each anchor [B, A] -> [B, A, d] (zero for an anchor at 0)."""
+    idx = (anchors - 1).clamp(min=0)
+    h = h_ctx.gather(1, idx[..., None].expand(-1, -1, h_ctx.shape[-1]))
+    return h * (anchors > 0)[..., None].to(h.dtype)
 
 
 def block_mask(anchors: torch.Tensor, gamma: int, ctx_len: int) -> torch.Tensor:

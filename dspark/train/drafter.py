@@ -48,6 +48,7 @@ class DrafterTrainConfig:
     num_layers: int = 0  # 0: the kind's default (2; EAGLE-3/MTP 1)
     head: str = ""  # dspark: markov | gated | rnn
     taps: tuple[int, ...] = ()  # target layers the drafter reads (empty: the kind's default)
+    context_residual: bool = False  # dspark/dflash: the feature before the anchor into every slot's residual
     rank: int = 64
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
@@ -108,7 +109,7 @@ def build(cfg: DrafterTrainConfig, loaded=None):
         dcfg = drafter.config
     else:
         extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head,
-                                   "taps": tuple(cfg.taps)}.items() if v}
+                                   "taps": tuple(cfg.taps), "context_residual": cfg.context_residual}.items() if v}
         if cfg.kind == "dspark":
             extra["rank"] = cfg.rank
         dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
@@ -195,8 +196,19 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         drafter = grow(drafter, cfg.num_layers)
     if cfg.taps and len(cfg.taps) != len(dcfg.taps):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
+    if cfg.context_residual and not dcfg.context_residual:
+        drafter = with_context_residual(drafter)
     drafter.config = drafter.config.replace(sts_temperatures=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
+
+
+def with_context_residual(drafter):
+    """A copy of a DSpark/DFlash drafter that also reads the feature before the anchor into every block slot;
+    its new projection starts at zero, so it computes exactly what it did until training moves it."""
+    wider = new_drafter(drafter.config.replace(context_residual=True))
+    missing, unexpected = wider.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and missing == ["backbone.residual.weight"], (missing, unexpected)
+    return wider
 
 
 def grow(drafter, num_layers: int):

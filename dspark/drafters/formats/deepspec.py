@@ -81,6 +81,9 @@ def check_exportable(cfg: DrafterConfig) -> None:
                          "predicts x_1 and the full vocabulary")
     if cfg.head == "none":
         raise ValueError("DeepSpec's DSpark requires a sequential head (markov_rank > 0)")
+    if cfg.context_residual:
+        raise ValueError("DeepSpec's DSpark has no context_residual projection: this drafter reads the feature "
+                         "before the anchor into its block, which that format (and the servers reading it) cannot")
 
 
 def write(drafter, target, out_dir: Path) -> Path:

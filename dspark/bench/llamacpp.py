@@ -8,7 +8,7 @@ DIR is a llama.cpp source tree with its examples built, e.g. the one vendored in
 
 Models are converted once with DIR's own `convert_hf_to_gguf.py` into `~/.cache/dspark/gguf/`. The converter
 names a BPE pre-tokenizer by hashing how the tokenizer splits a test string and does not know dspark's (a
-byte-level BPE with GPT-2's split rule), so it is told `gpt-2`; the report gives llama.cpp's prompt lengths
+byte-level BPE with GPT-2's split rule), so it is told `gpt-2` (and not to look for a SentencePiece model); the report gives llama.cpp's prompt lengths
 beside dspark's so any difference in tokenisation shows. Times are llama.cpp's own (prompt evaluation plus
 decoding, model loading excluded), as this engine's are. `--ignore-eos` in llama.cpp bans the end token (the
 engine here emits it and goes on), so a prompt where the model would end early continues differently there.
@@ -39,7 +39,14 @@ CONVERT = """
 import sys
 sys.path[:0] = ["gguf-py", "."]
 import convert_hf_to_gguf as c
-c.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+try:  # newer trees keep the model classes in a `conversion` package
+    from conversion.base import TextModel
+except ImportError:
+    TextModel = c.TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+def no_sentencepiece(self, *args, **kwargs):  # byte-level BPE: the converter falls back to its GPT-2 vocab path
+    raise FileNotFoundError("no SentencePiece model")
+TextModel._set_vocab_sentencepiece = no_sentencepiece
 sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
 c.main()
 """
@@ -114,7 +121,8 @@ def parse_speculative(log: str) -> tuple[float, int, int, float]:
 
 def _common(ll: LlamaCpp, model: Path, prompt: str, max_tokens: int) -> list[str]:
     return ["-m", str(model), "-p", prompt, "-n", str(max_tokens), "--ignore-eos", "--temp", "0", "--top-k", "1",
-            "--seed", "0", "-t", str(ll.threads), "-tb", str(ll.threads), "-c", "2048", "-ngl", "0"]
+            "--seed", "0", "-t", str(ll.threads), "-tb", str(ll.threads), "-c", "2048", "-ngl", "0",
+            "-lv", "3"]  # log level 3: the timing summaries are info lines
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
@@ -145,7 +153,7 @@ def speculative(ll: LlamaCpp, model: Path, draft: Path, tokenizer, max_tokens: i
     def generate(ids: list[int]) -> Measured:
         prompt = tokenizer.decode(ids, skip_special_tokens=False)
         done = _run([str(exe), *_common(ll, model, prompt, max_tokens), "-md", str(draft), "-ngld", "0",
-                     "--spec-draft-n-max", str(ll.draft_max)])
+                     "--spec-type", "draft-simple", "--spec-draft-n-max", str(ll.draft_max)])
         seconds, prompt_n, decoded, accept = parse_speculative(done.stderr)
         text = done.stdout.lstrip("\n")
         text = text[len(prompt):] if text.startswith(prompt) else ""

@@ -163,3 +163,48 @@ def test_shifted_drafters_keep_one_feature_per_request_and_count_it(qwen3_dir, r
     assert max(seen) == 3
     assert [engine.output(r).token_ids for r in reqs] == reference[:3]
     assert drafter.cache_bytes_in_use() == 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_a_probe_after_a_closed_spell_drafts_from_the_whole_context(qwen3_dir, kind):
+    """A closed gate hands the drafter nothing; a probe first catches up every token committed since. What
+    it then proposes must be what a drafter given the whole context at once proposes (greedy: the same tokens)."""
+    from dspark.drafters.base import ContextRow, ProposeInput
+    from dspark.engine.gate import GateConfig
+    from dspark.sampling import SamplingRows
+    from dspark.spec.profile import StepProfile
+
+    net, tok = load_model(qwen3_dir)
+    mask = tok.token_id("<|mask|>") or 0
+    torch.manual_seed(0)
+    drafter = new_drafter(new_config(kind, net.config, mask))
+    torch.manual_seed(0)
+    fresh = new_drafter(new_config(kind, net.config, mask))
+    fresh.bind(net, 64, 4)
+    cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
+    engine = assemble(net, tok, cfg, drafter=drafter, policy="dspark",
+                      gate=GateConfig(probe_every=3, probe_max=3, probe_budget=0.0, explore_budget=0.0,
+                                      probe_requests=1))
+    engine.runner.set_profile(StepProfile("never", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 64],
+                                          draft_s=[10.0, 10.0]))
+    checked = []
+    propose = engine.runner._propose
+
+    def checking(decode):
+        block = propose(decode)
+        for i, s in enumerate(decode):
+            r, n = s.request, s.request.num_computed
+            ids = torch.tensor([r.all_ids[:n]])
+            with torch.no_grad():
+                _, taps = net.forward_dense(ids, fresh.taps)
+            fresh.extend([ContextRow("ref", 0, r.all_ids[:n], taps[0])])
+            ref = fresh.propose([ProposeInput("ref", r.all_ids[-1], n, r.all_ids)],
+                                SamplingRows.same(1, SamplingParams(temperature=0.0)))
+            fresh.free("ref")
+            checked.append((block.tokens[i].tolist(), ref.tokens[0].tolist(), n))
+        return block
+
+    engine.runner._propose = checking
+    run(engine, PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert engine.runner.drafted_steps < engine.runner.steps  # closed spells happened
+    assert len(checked) >= 3 and all(got == want for got, want, _ in checked), checked

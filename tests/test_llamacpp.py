@@ -43,7 +43,7 @@ def test_speculative_timing_adds_prompt_and_decode():
 
 
 def test_log_without_timing_is_an_error():
-    with pytest.raises(RuntimeError, match="no timing"):
+    with pytest.raises(RuntimeError, match="no timing of the prompt"):
         llamacpp.parse_completion("error: model not found\n")
     with pytest.raises(RuntimeError, match="no prompt timing"):
         llamacpp.parse_speculative(COMPLETION_LOG)

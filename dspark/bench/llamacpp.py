@@ -8,8 +8,8 @@ DIR is a llama.cpp source tree with its examples built, e.g. the one vendored in
 
 Models are converted once with DIR's own `convert_hf_to_gguf.py` into `~/.cache/dspark/gguf/`. The converter
 names a BPE pre-tokenizer by hashing how the tokenizer splits a test string and does not know dspark's (a
-byte-level BPE with GPT-2's split rule), so it is told `gpt-2` (and not to look for a SentencePiece model); the report gives llama.cpp's prompt lengths
-beside dspark's so any difference in tokenisation shows. Times are llama.cpp's own (prompt evaluation plus
+byte-level BPE with GPT-2's split rule), so it is told `gpt-2` (and not to look for a SentencePiece model);
+the report gives llama.cpp's prompt lengths beside dspark's so any difference in tokenisation shows. Times are llama.cpp's own (prompt evaluation plus
 decoding, model loading excluded), as this engine's are. `--ignore-eos` in llama.cpp bans the end token (the
 engine here emits it and goes on), so a prompt where the model would end early continues differently there.
 """
@@ -88,35 +88,30 @@ def gguf(ll: LlamaCpp, model_dir: Path, cache: Path | None = None) -> Path:
     return out
 
 
-def _seconds(pattern: str, log: str, scale: float) -> tuple[float, int]:
+def _find(pattern: str, log: str, what: str) -> re.Match:
     found = re.search(pattern, log)
     if found is None:
-        raise RuntimeError(f"llama.cpp printed no timing matching {pattern!r}:\n{log[-1500:]}")
-    return float(found.group(1)) * scale, int(found.group(2))
+        raise RuntimeError(f"llama.cpp printed no {what} ({pattern!r}):\n{log[-1500:]}")
+    return found
 
 
 def parse_completion(log: str) -> tuple[float, int, int]:
     """llama-completion's perf lines -> (seconds from its timer reset before the prompt to the end: prompt,
     decoding, sampling and host work, as the engine here is timed), prompt tokens, decode runs."""
-    _, prompt_n = _seconds(r"prompt eval time =\s*([\d.]+) ms /\s*(\d+) tokens", log, 1e-3)
-    _, runs = _seconds(r"(?<!prompt )eval time =\s*([\d.]+) ms /\s*(\d+) runs", log, 1e-3)
-    total, _ = _seconds(r"total time =\s*([\d.]+) ms /\s*(\d+) tokens", log, 1e-3)
+    prompt_n = int(_find(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", log, "timing of the prompt").group(1))
+    runs = int(_find(r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs", log, "timing of decoding").group(1))
+    total = float(_find(r"total time =\s*([\d.]+) ms", log, "timing in total").group(1)) / 1e3
     return total, prompt_n, runs
 
 
 def parse_speculative(log: str) -> tuple[float, int, int, float]:
     """llama-speculative-simple's summary -> (prompt + decode seconds, prompt tokens, tokens decoded,
     draft acceptance rate)."""
-    found = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
-    if found is None:
-        raise RuntimeError(f"llama.cpp printed no prompt timing:\n{log[-1500:]}")
-    enc_n, enc_s = int(found.group(1)), float(found.group(2))
-    found = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
-    if found is None:
-        raise RuntimeError(f"llama.cpp printed no decode timing:\n{log[-1500:]}")
-    dec_n, dec_s = int(found.group(1)), float(found.group(2))
+    enc = _find(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", log, "prompt timing")
+    dec = _find(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log, "decode timing")
     accept = re.search(r"accept\s*=\s*([\d.]+)%", log)
-    return enc_s + dec_s, enc_n, dec_n, float(accept.group(1)) / 100 if accept else float("nan")
+    return (float(enc.group(2)) + float(dec.group(2)), int(enc.group(1)), int(dec.group(1)),
+            float(accept.group(1)) / 100 if accept else float("nan"))
 
 
 def _common(ll: LlamaCpp, model: Path, prompt: str, max_tokens: int) -> list[str]:

@@ -205,10 +205,17 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
 def with_context_residual(drafter):
     """A copy of a DSpark/DFlash drafter that also reads the feature before the anchor into every block slot;
     its new projection starts at zero, so it computes exactly what it did until training moves it."""
-    wider = new_drafter(drafter.config.replace(context_residual=True))
-    missing, unexpected = wider.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and missing == ["backbone.residual.weight"], (missing, unexpected)
+    wider, missing = rebuilt(drafter, context_residual=True)
+    assert missing == ["backbone.residual.weight"], missing
     return wider
+
+
+def rebuilt(drafter, **changes):
+    """A drafter of the changed config holding every weight of `drafter` -> (it, the names of its new weights)."""
+    bigger = new_drafter(drafter.config.replace(**changes))
+    missing, unexpected = bigger.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    return bigger, missing
 
 
 def grow(drafter, num_layers: int):
@@ -219,9 +226,8 @@ def grow(drafter, num_layers: int):
     if drafter.config.kind not in ("dspark", "dflash") or num_layers < old:
         raise ValueError(f"can grow a dspark/dflash backbone deeper, not a {drafter.config.kind} "
                          f"drafter from {old} to {num_layers} layers")
-    deeper = new_drafter(drafter.config.replace(num_layers=num_layers))
-    missing, unexpected = deeper.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("backbone.layers.") for k in missing), (missing, unexpected)
+    deeper, missing = rebuilt(drafter, num_layers=num_layers)
+    assert all(k.startswith("backbone.layers.") for k in missing), missing
     with torch.no_grad():
         for layer in deeper.backbone.layers[old:]:
             layer.self_attn.o_proj.weight.zero_()

@@ -91,3 +91,42 @@ def test_temperatures_that_do_not_help_out_of_sample_are_not_written():
     assert shipped_temperatures(cal([0.04, 0.02], [0.03, 0.01]))[0] == [0.5, 2.0]
     temps, why = shipped_temperatures(cal([0.03, 0.01], [0.04, 0.01]))
     assert temps == [1.0, 1.0] and "did not lower" in why
+
+
+def test_greedy_rollouts_calibrate_the_greedy_temperatures_only(qwen3_dir, tmp_path):
+    """At temperature 0 the fit goes to `sts_greedy` and loads back; `sts_temperatures` is left alone."""
+    from dspark.drafters.registry import load_drafter
+    from dspark.train.calibrate import calibrate
+
+    net, tok = load_model(qwen3_dir)
+    torch.manual_seed(0)
+    d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, gamma=3))
+    save_drafter(d, d.config, tmp_path / "drafter")
+    calibrate(str(qwen3_dir), str(tmp_path / "drafter"), ["The quick brown fox", "def add(a, b):"],
+              str(tmp_path / "out"), max_tokens=12, temperature=0.0)
+    saved = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert not saved["sts_temperatures"] and len(saved["sts_greedy"]) == 3
+    assert load_drafter(str(tmp_path / "drafter")).config.sts_greedy == tuple(saved["sts_greedy"])
+    assert json.loads((tmp_path / "out" / "calibration.json").read_text())["key"] == "sts_greedy"
+
+
+def test_temperatures_in_use_that_score_best_are_kept():
+    from dspark.spec.sts import Calibration
+    from dspark.train.calibrate import shipped_temperatures
+
+    cal = Calibration([0.5, 2.0], [{"ece": 0.04}, {"ece": 0.02}], [{"ece": 0.03}, {"ece": 0.01}])
+    temps, why = shipped_temperatures(cal, ([0.8, 0.9], [{"ece": 0.01}, {"ece": 0.01}]))
+    assert temps is None and why.startswith("Kept")
+    assert shipped_temperatures(cal, ([0.8, 0.9], [{"ece": 0.05}, {"ece": 0.01}]))[0] == [0.5, 2.0]
+
+
+def test_each_row_reads_the_temperatures_of_its_own_sampling():
+    from dspark.drafters.heads import calibrated
+
+    logits = torch.tensor([[1.0, -1.0], [1.0, -1.0], [2.0, 0.5]])
+    sampled, greedy = (2.0, 2.0), (0.5, 0.25)
+    mixed = calibrated(logits, (True, False, True), sampled, greedy)
+    assert torch.allclose(mixed[0], torch.sigmoid(logits[0] / torch.tensor(greedy)))
+    assert torch.allclose(mixed[1], torch.sigmoid(logits[1] / torch.tensor(sampled)))
+    assert torch.allclose(mixed[2], torch.sigmoid(logits[2] / torch.tensor(greedy)))
+    assert torch.equal(calibrated(logits, (True, True, True), sampled, ()), calibrated(logits, (False,) * 3, sampled, ()))

@@ -64,6 +64,25 @@ def test_dspark_serving_equals_teacher_forced(target, head):
     assert d.pool.length("r") == 16  # the block's temporary slots were rolled back
 
 
+def test_greedy_requests_read_the_greedy_temperatures(target):
+    """A drafter calibrated on both kinds of rollouts: the served confidences of a greedy request are
+    sigmoid(logit / T_greedy), as trained; a sampled request in the same batch keeps T_sampled."""
+    temps, greedy = (0.5, 0.6, 0.7, 0.8, 0.9, 1.1, 1.2), (2.0, 2.1, 2.2, 2.3, 2.4, 2.5, 2.6)
+    d, block, _, conf = serve_vs_train("dspark", target, list(range(3, 20)), sts_temperatures=temps, sts_greedy=greedy)
+    assert conf is not None and torch.allclose(block.confidence[0], torch.sigmoid(conf[0, 0] / torch.tensor(greedy)),
+                                               atol=1e-5)
+    context = list(range(3, 20))
+    with torch.no_grad():
+        _, taps = target.forward_dense(torch.tensor([context]), d.taps)
+    for r in ("g", "s"):
+        d.extend([ContextRow(r, 0, context[:-1], taps[0, :-1])])
+    rows = SamplingRows.build([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)])
+    both = d.propose([ProposeInput(r, context[-1], len(context) - 1, context) for r in ("g", "s")], rows)
+    raw = both.confidence_logits
+    assert torch.allclose(both.confidence[0], torch.sigmoid(raw[0] / torch.tensor(greedy)), atol=1e-6)
+    assert torch.allclose(both.confidence[1], torch.sigmoid(raw[1] / torch.tensor(temps)), atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_context_residual_serving_equals_teacher_forced(target, kind):
     context = list(range(3, 20))

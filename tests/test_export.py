@@ -22,10 +22,10 @@ TARGET = ROOT / "target_qwen3"
 
 def trained_like(tmp_path: Path, head: str) -> Path:
     """A dspark DSpark drafter with random weights everywhere (the sequential head's W2 starts at 0
-    in training) and STS temperatures, saved in dspark's own format."""
+    in training) and STS temperatures for sampled and greedy requests, saved in dspark's own format."""
     target = load_target(TARGET)
     cfg = new_config("dspark", target.config, mask_token_id=255, head=head, rank=8, gamma=5,
-                     sts_temperatures=(0.9, 1.1, 0.8, 1.2, 1.0))
+                     sts_temperatures=(0.9, 1.1, 0.8, 1.2, 1.0), sts_greedy=(1.3, 0.7, 1.6, 0.6, 2.0))
     torch.manual_seed(3)
     drafter = new_drafter(cfg)
     with torch.no_grad():
@@ -51,7 +51,7 @@ def test_export_round_trips_through_the_loader(tmp_path, fmt, head):
     assert detect(out) == fmt
     d0, b0, l0 = outputs(ours)
     d1, b1, l1 = outputs(out)
-    assert d1.config.sts_temperatures == d0.config.sts_temperatures
+    assert d1.config.sts_temperatures == d0.config.sts_temperatures and d1.config.sts_greedy == d0.config.sts_greedy
     assert d1.config.taps == d0.config.taps and d1.config.gamma == d0.config.gamma
     assert (l1 - l0).abs().max().item() < 1e-5
     assert torch.equal(b1.tokens, b0.tokens)

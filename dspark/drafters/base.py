@@ -49,6 +49,9 @@ class DrafterConfig:
     rank: int = 64  # low rank r of the sequential head
     confidence: bool = True
     sts_temperatures: tuple[float, ...] = ()  # per-position STS temperatures (empty: raw)
+    sts_greedy: tuple[float, ...] = ()  # the same for greedy requests, fitted on greedy rollouts (empty:
+    #                                     sts_temperatures): a greedy draft token survives when it is the
+    #                                     target's argmax, a sampled one with probability min(1, p/q)
     ngram_max: int = 4  # n-gram drafter: longest suffix matched
     ngram_min: int = 1
     # ---- what published checkpoint formats mean (dspark/drafters/formats/); defaults: dspark's own ----
@@ -81,7 +84,7 @@ class DrafterConfig:
             raise ValueError("the confidence head reads the sequential head's W1: it needs a head")
         if self.layer_type not in LAYER_TYPES:
             raise ValueError(f"unknown layer_type {self.layer_type!r}; expected one of {LAYER_TYPES}")
-        for name in ("taps", "sts_temperatures", "draft_vocab"):
+        for name in ("taps", "sts_temperatures", "sts_greedy", "draft_vocab"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.rope_scaling is not None:
             scaling = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) else self.rope_scaling

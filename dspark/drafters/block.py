@@ -16,7 +16,7 @@ import torch
 from dspark.device import upload
 from dspark.drafters.backbone import Backbone
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
-from dspark.drafters.heads import ConfidenceHead, SequentialHead, apply_sts
+from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.sampling import SamplingRows
@@ -110,7 +110,8 @@ class BlockDrafter(NeuralDrafter):
         raw = None
         if self.conf is not None:
             raw = self.conf(hidden, torch.stack(embs, 1) if self.config.confidence_markov else None)
-        confidence = apply_sts(raw, self.config.sts_temperatures) if raw is not None else None
+        cfg = self.config
+        confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
         block = torch.stack(tokens, 1)
         return DraftBlock(block, self.block_probs(block, probs), confidence, confidence_logits=raw)
 

@@ -80,6 +80,19 @@ class ConfidenceHead(nn.Module):
         return self.proj(x).squeeze(-1).float()
 
 
+def calibrated(conf_logits: torch.Tensor, greedy: tuple[bool, ...], sampled_t: tuple[float, ...],
+               greedy_t: tuple[float, ...]) -> torch.Tensor:
+    """conf_logits [R, g] -> confidences, each row with its own kind's temperatures: greedy rows
+    (greedy[r]) with greedy_t where there are any, the others with sampled_t."""
+    sampled = apply_sts(conf_logits, sampled_t)
+    if not greedy_t or not any(greedy):
+        return sampled
+    fitted = apply_sts(conf_logits, greedy_t)
+    if all(greedy):
+        return fitted
+    return torch.where(upload(greedy, conf_logits.device, torch.bool)[:, None], fitted, sampled)
+
+
 def apply_sts(conf_logits: torch.Tensor, temperatures: tuple[float, ...]) -> torch.Tensor:
     """Calibrated confidences: sigmoid(logit_k / T_k) per position k (last dim = gamma)."""
     if not temperatures:

@@ -4,10 +4,13 @@ Rollouts are real verification rounds: the drafter proposes, the full block is v
 (`static:gamma`), and each round records the raw confidence logits and how many draft
 tokens were accepted. STS (`spec/sts.py`) is fitted on the rounds of every other prompt
 and scored on the rounds of the remaining prompts (so the reported ECE is out of sample); the temperatures are
-written into the drafter's config.json; ECE/AUROC/Brier per position before and after and
+written into the drafter's config.json: `sts_temperatures` from sampled rollouts, `sts_greedy` from
+greedy ones (`--temperature 0`: a greedy draft token survives when it is the target's argmax, which
+the same head predicts differently well); ECE/AUROC/Brier per position before and after and
 a reliability diagram go to the output directory.
 
     dspark calibrate --drafter dspark-tiny/drafters/dspark --prompts heldout.jsonl --out docs/results/calibration
+    dspark calibrate --drafter dspark-tiny/drafters/dspark --temperature 0 --out docs/results/calibration-greedy
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dspark.engine.engine import LLMEngine
 from dspark.engine.factory import build_engine
 from dspark.engine.speculative import SpeculativeRunner
 from dspark.sampling import SamplingParams
-from dspark.spec.sts import Calibration, fit_sts, survival
+from dspark.spec.sts import Calibration, fit_sts, metrics, outcomes, survival
 
 
 def rollout_engine(model: str | None, drafter: str) -> LLMEngine:
@@ -83,16 +86,36 @@ def reliability_plot(logits: torch.Tensor, accepted: torch.Tensor, cal: Calibrat
     plt.close(fig)
 
 
-def shipped_temperatures(cal: Calibration) -> tuple[list[float], str]:
-    """The temperatures to write: the fitted ones if they lower the mean held-out ECE, else
-    1.0 everywhere (a per-position grid fit can chase noise at deep positions, where few
-    blocks survive). Returns them and a sentence for the report."""
-    raw = sum(b["ece"] for b in cal.before) / len(cal.before)
-    fitted = sum(a["ece"] for a in cal.after) / len(cal.after)
+def shipped_temperatures(cal: Calibration, current: tuple[list[float], list[dict]] | None = None
+                         ) -> tuple[list[float] | None, str]:
+    """The temperatures to write: of the fitted ones, 1.0 everywhere (raw) and `current` (the ones
+    these requests read now, with their held-out metrics), those with the lowest mean held-out ECE
+    (a per-position grid fit can chase noise at deep positions, where few blocks survive). None:
+    `current` wins, keep the config as it is. Returns them and a sentence for the report."""
+    def mean(rows: list[dict]) -> float:
+        return sum(r["ece"] for r in rows) / len(rows)
+
+    raw, fitted = mean(cal.before), mean(cal.after)
+    now = mean(current[1]) if current else float("inf")
+    if now < min(raw, fitted):
+        return None, (f"Kept: the temperatures these requests read now, {[round(t, 3) for t in current[0]]}, score "
+                      f"best (mean held-out ECE {now:.4f}; fitted {fitted:.4f}, raw {raw:.4f}).")
     if fitted < raw:
         return list(cal.temperatures), f"Written: the fitted temperatures (mean held-out ECE {raw:.4f} -> {fitted:.4f})."
     return [1.0] * len(cal.temperatures), (f"Written: 1.0 at every position, the raw confidences: STS did not lower "
                                            f"the mean held-out ECE ({raw:.4f} -> {fitted:.4f}).")
+
+
+def current_temperatures(drafter_dir: str, key: str) -> list[float]:
+    """What requests of this kind read now: `sts_greedy` falls back to `sts_temperatures` ([]: raw)."""
+    raw = json.loads((Path(drafter_dir) / "config.json").read_text())
+    return list(raw.get(key) or raw.get("sts_temperatures") or [])
+
+
+def config_key(temperature: float) -> str:
+    """Where temperatures fitted at this sampling temperature go: greedy requests read `sts_greedy`,
+    the others `sts_temperatures`."""
+    return "sts_greedy" if temperature == 0 else "sts_temperatures"
 
 
 def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: str, max_tokens: int = 128,
@@ -107,20 +130,25 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     reliability_plot(logits, accepted, cal, out / "reliability.png")
-    temps, verdict = shipped_temperatures(cal)
-    if write:
+    key = config_key(temperature)
+    now = current_temperatures(drafter_dir, key)
+    fits = len(now) == logits.shape[1]  # temperatures for another gamma say nothing about this one
+    current = (now, metrics(survival(logits.double(), now), outcomes(accepted, len(now)))) if fits else None
+    temps, verdict = shipped_temperatures(cal, current)
+    if write and temps is not None:
         cfg_path = Path(drafter_dir) / "config.json"
         raw = json.loads(cfg_path.read_text())
-        raw["sts_temperatures"] = [round(t, 5) for t in temps]
+        raw[key] = [round(t, 5) for t in temps]
         cfg_path.write_text(json.dumps(raw, indent=2))
     rows = [[k + 1, b["ece"], a["ece"], b["auroc"] or float("nan"), a["auroc"] or float("nan"), b["brier"], a["brier"],
              a["observed"]] for k, (b, a) in enumerate(zip(cal.before, cal.after, strict=True))]
     md = (f"# STS calibration of `{drafter_dir}`\n\nTemperatures fitted on the full-block rounds of half the prompts; "
           f"the metrics below are on the other half ({len(accepted)} rounds), at temperature {temperature}.\n\n"
           + report.table(["k", "ECE raw", "ECE STS", "AUROC raw", "AUROC STS", "Brier raw", "Brier STS", "observed a_k"], rows)
-          + f"\nFitted temperatures: {[round(t, 3) for t in cal.temperatures]}. {verdict}\n\n"
+          + f"\nFitted temperatures: {[round(t, 3) for t in cal.temperatures]}. {verdict} (config key `{key}`)\n\n"
           "![reliability](reliability.png)\n")
-    report.write(out, "calibration", {"drafter": drafter_dir, "rounds": len(accepted), "temperature": temperature,
-                                       "temperatures": cal.temperatures, "written": temps, "before": cal.before, "after": cal.after}, md)
+    report.write(out, "calibration", {"drafter": drafter_dir, "rounds": len(accepted), "temperature": temperature, "key": key,
+                                       "temperatures": cal.temperatures, "written": temps, "before": cal.before, "after": cal.after,
+                                       "current": current[1] if current else None}, md)
     print(md)
     return cal

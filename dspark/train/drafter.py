@@ -198,7 +198,7 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
     if cfg.context_residual and not dcfg.context_residual:
         drafter = with_context_residual(drafter)
-    drafter.config = drafter.config.replace(sts_temperatures=(), taps=tuple(cfg.taps) or dcfg.taps)
+    drafter.config = drafter.config.replace(sts_temperatures=(), sts_greedy=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
 
 

@@ -6,8 +6,8 @@ as dspark's taps), `mask_token_id`, `markov_rank` / `markov_head_type` (vanilla 
 `enable_confidence_head`, `confidence_head_with_markov`. Weights: `fc`, `hidden_norm`,
 `layers.N.*`, `norm`, `markov_head.markov_w1/w2` (+ `gate_proj` / `joint_proj`),
 `confidence_head.proj`, and copies of the target's `embed_tokens` / `lm_head`, which dspark
-reads from the target itself. A `sts_temperatures` list (written by `dspark calibrate`) is
-read back; without it the confidences are raw.
+reads from the target itself. The `sts_temperatures` and `sts_greedy` lists (written by `dspark
+calibrate` at temperature 1 and 0) are read back; without them the confidences are raw.
 """
 
 from __future__ import annotations
@@ -49,7 +49,12 @@ def head_fields(raw: dict[str, Any], vocab: int) -> dict[str, Any]:
         raise mismatch("mask_token_id", f"{mask} outside the vocabulary of {vocab}")
     return dict(head=HEADS[kind] if rank else "none", rank=rank or 1, confidence=confidence,
                 confidence_markov=with_markov, mask_token_id=mask,
-                sts_temperatures=tuple(raw.get("sts_temperatures") or ()))
+                sts_temperatures=tuple(raw.get("sts_temperatures") or ()), sts_greedy=tuple(raw.get("sts_greedy") or ()))
+
+
+def sts_keys(cfg: DrafterConfig) -> dict[str, list[float]]:
+    """The calibration a config carries, as the keys dspark reads back (the reference code ignores them)."""
+    return {name: list(getattr(cfg, name)) for name in ("sts_temperatures", "sts_greedy") if getattr(cfg, name)}
 
 
 def read(path: Path, raw: dict[str, Any], target: ModelConfig | None, state: dict[str, torch.Tensor]):
@@ -102,8 +107,7 @@ def write(drafter, target, out_dir: Path) -> Path:
     raw["rope_parameters"] = {**raw["rope_parameters"], "rope_theta": cfg.rope_theta}
     if cfg.confidence:
         raw["confidence_head_with_markov"] = cfg.confidence_markov
-    if cfg.sts_temperatures:
-        raw["sts_temperatures"] = list(cfg.sts_temperatures)
+    raw.update(sts_keys(cfg))
     state = dspark_names(drafter)
     state["embed_tokens.weight"] = target.model.embed_tokens.weight.detach().contiguous()
     state["lm_head.weight"] = target.lm_head.weight.detach().clone().contiguous()

@@ -6,7 +6,7 @@
 embedding and LM head, as DeepSpec stores them); `speculators` writes vLLM speculators' `dspark`
 checkpoint (`vllm serve TARGET --speculative-config '{"model": "DIR", ...}'`), whose verifier is
 named by `--verifier` (default: the model directory). STS temperatures travel as
-`sts_temperatures` (a key the reference code ignores and dspark reads back).
+`sts_temperatures` / `sts_greedy` (keys the reference code ignores and dspark reads back).
 """
 
 from __future__ import annotations

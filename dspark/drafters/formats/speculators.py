@@ -134,8 +134,7 @@ def write(drafter, target, out_dir: Path) -> Path:
            "markov_head_type": {v: k for k, v in deepspec.HEADS.items()}[cfg.head],
            "enable_confidence_head": cfg.confidence, "confidence_head_with_markov": cfg.confidence_markov,
            "speculators_version": "0.9.0", "speculators_config": proposal("dspark", cfg, t)}
-    if cfg.sts_temperatures:
-        raw["sts_temperatures"] = list(cfg.sts_temperatures)
+    raw.update(deepspec.sts_keys(cfg))
     return deepspec.save(out_dir, raw, deepspec.dspark_names(drafter))
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dspark.engine.gate import Gate, GateConfig
-from dspark.spec.policies import algorithm1, candidates, uniform_candidates
+from dspark.spec.policies import algorithm1, candidates
 from dspark.spec.profile import StepProfile
 from dspark.spec.stats import AcceptanceStats
 
@@ -151,18 +151,6 @@ def test_a_closed_gate_withholds_draft_slots_between_probes():
     assert with_slots == [0, *drafted]  # the first step (no verdict yet), then only the probes
 
 
-def test_uniform_candidates_match_the_general_sort():
-    """The gate's plain-Python candidates (one shared confidence row) are the general
-    `candidates` of that row repeated, in the same order, ties included."""
-    gen = torch.Generator().manual_seed(0)
-    for trial in range(50):
-        row = (torch.rand(GAMMA, generator=gen) * 0.98 + 0.01).tolist()
-        if trial % 5 == 0:
-            row = [0.5] * GAMMA  # equal survivals across requests at every position
-        caps = torch.randint(0, GAMMA + 1, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
-        assert uniform_candidates(row, caps) == candidates(torch.tensor([row] * len(caps)), caps)
-
-
 def test_the_online_correction_scales_every_batch_shape_alike():
     """Serving observes plain one-token steps all the time and drafted shapes rarely; a machine
     1.5x slower than at start-up must raise the cost of both, the drafter's included, or
@@ -261,7 +249,7 @@ def test_a_few_lucky_probes_do_not_open_the_gate():
     steady = AcceptanceStats(GAMMA)
     for _ in range(100):
         steady.update([GAMMA] * 2, [GAMMA] * 2)
-    assert algorithm1(uniform_candidates(lucky.conditional(), [GAMMA] * 4), 4, 0, prof.cost) > 0  # trusting it: open
+    assert algorithm1(candidates(torch.tensor([lucky.conditional()] * 4), [GAMMA] * 4), 4, 0, prof.cost) > 0  # trusting it: open
     cautious = GateConfig(probe_every=1000, judge_after=0, caution=1.0)
     assert not Gate(cautious, lucky, prof).should_draft(4, [GAMMA] * 4)
     assert Gate(cautious, steady, prof).should_draft(4, [GAMMA] * 4)
@@ -303,3 +291,34 @@ def test_a_router_that_rarely_runs_its_costly_drafter_keeps_the_gate_open():
         gate.observe_share(0, 4)
     gate.memo = None
     assert gate.draft_share < 0.01 and gate.should_draft(4, [GAMMA] * 4)
+
+
+def test_a_request_whose_drafts_fail_is_judged_by_its_own_record():
+    """Everyone else's drafts are accepted; one request's never are (a prompt unlike the drafter's
+    training). Alone, that request decodes plainly after a few failed rounds, while a request with
+    no record yet, or a good one, is still judged by everyone's."""
+    gate = Gate(GateConfig(probe_every=1000), stats(accept=True), profile(draft_s=0.008))
+    bad, good = AcceptanceStats(GAMMA), AcceptanceStats(GAMMA)
+    assert gate.should_draft(1, [GAMMA], [bad])  # no record yet: everyone's
+    for _ in range(20):
+        bad.update([GAMMA], [0])
+        good.update([GAMMA], [GAMMA])
+    gate.stats.update([GAMMA], [GAMMA])  # a new round somewhere (records change with the shared version)
+    assert not gate.should_draft(1, [GAMMA], [bad])
+    assert gate.should_draft(1, [GAMMA], [None]) and gate.should_draft(1, [GAMMA], [good])
+    assert gate.should_draft(2, [GAMMA] * 2, [bad, good])  # the good one's gain pays for both
+    assert Gate(GateConfig(probe_every=1000, own_weight=0), stats(accept=True), profile(draft_s=0.008)).should_draft(
+        1, [GAMMA], [bad])  # own_weight 0: everyone's record alone
+
+
+def test_blend_shrinks_a_request_record_toward_the_shared_estimates():
+    from dspark.spec.stats import blend
+
+    shared = [0.8, 0.6, 0.5, 0.4]
+    assert blend(None, shared, 4.0) == shared
+    own = AcceptanceStats(GAMMA)
+    for _ in range(4):
+        own.update([GAMMA], [0])  # position 1 tried 4 times, never accepted; later positions never tried
+    mixed = blend(own, shared, 4.0)
+    assert mixed[0] == pytest.approx(0.4, abs=0.02) and mixed[1:] == pytest.approx(shared[1:])
+    assert blend(own, shared, 0.0) == shared

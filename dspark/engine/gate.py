@@ -12,9 +12,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dspark.spec.policies import algorithm1, uniform_candidates
+import torch
+
+from dspark.spec.policies import algorithm1, candidates
 from dspark.spec.profile import StepProfile
-from dspark.spec.stats import AcceptanceStats
+from dspark.spec.stats import AcceptanceStats, blend
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,10 @@ class GateConfig:
     # against opening for every request on a few lucky probes); 1.0 kept EAGLE-3 under the dspark
     # policy at 1.35x plain where static:7 ran 1.53x (dspark-small in bfloat16, one request, a
     # short lockstep run not kept), 0 ran 1.71x
+    own_weight: float = 4.0  # a request's own acceptance record counts against this many observations of
+    # everyone's at each position (0: everyone's alone). With the shared estimates only, one long request
+    # whose drafts all failed (4 of 253 draft tokens accepted, dspark-small) kept the gate open alone at
+    # the end of a C = 4 mixed run on the other requests' record, and the run lost 7% to plain
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
@@ -75,12 +81,13 @@ class Gate:
         """Disabled, or no profile to judge by: every step with slots drafts."""
         return not self.cfg.enabled or self.profile is None
 
-    def should_draft(self, num_requests: int, caps: Sequence[int]) -> bool:
-        """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not."""
+    def should_draft(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
+        """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not. `own`:
+        each request's own acceptance record (None: none yet; empty: the shared estimates for all)."""
         self.probing = False
         if self.idle:
             return True
-        if self.judge(num_requests, caps):
+        if self.judge(num_requests, caps, own):
             return True
         self.wait += 1
         if self.wait >= self.interval:  # probe: refresh the acceptance estimates
@@ -111,19 +118,19 @@ class Gate:
         plain = self.profile.verify(num_requests)
         return max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
 
-    def withheld(self, num_requests: int, gamma: int) -> None:
+    def withheld(self, num_requests: int, gamma: int, own: Sequence[AcceptanceStats | None] = ()) -> None:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock
         and judge whether drafting would pay now, so that the next step reserves slots."""
         self.probing = False
         if self.idle:
             return
-        if not self.judge(num_requests, [gamma] * num_requests):
+        if not self.judge(num_requests, [gamma] * num_requests, own):
             self.wait += 1
 
-    def judge(self, num_requests: int, caps: Sequence[int]) -> bool:
+    def judge(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
         """The verdict for decoding these requests alone, remembered as `open`. When it pays, the
         probe backoff restarts, so that after the next close the gate probes soon again."""
-        self.open = self.pays(num_requests, caps)
+        self.open = self.pays(num_requests, caps, own)
         if self.open:
             self.interval = self.cfg.probe_every
         return self.open
@@ -142,23 +149,30 @@ class Gate:
             return list(decode)
         return [decode[(step + i) % len(decode)] for i in range(k)]
 
-    def pays(self, num_requests: int, caps: Sequence[int]) -> bool:
-        key = (num_requests, tuple(caps), self.stats.version)
+    def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
+        key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)))  # records change with version
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
             return self.memo[2]
-        verdict = self.predict(num_requests, caps)
+        verdict = self.predict(num_requests, caps, own)
         self.memo = (key, 1, verdict)
         return verdict
 
-    def predict(self, num_requests: int, caps: Sequence[int]) -> bool:
+    def estimates(self, num_requests: int, own: Sequence[AcceptanceStats | None]) -> torch.Tensor:
+        """[R, gamma] conditional acceptance per request: its own record blended with the shared
+        estimates (less `caution` standard errors once there is enough to be cautious about)."""
+        judging = self.stats.total_tried[0] >= self.cfg.judge_after
+        shared = self.stats.lower(self.cfg.caution if judging else 0.0)
+        rows = [blend(o, shared, self.cfg.own_weight) for o in own] if own else [shared] * num_requests
+        return torch.tensor(rows, dtype=torch.float64)
+
+    def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
         """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?
         Until `judge_after` first draft positions were verified there is too little to be cautious
         about: the estimates are taken at face value (the prior, 0.5 per position, at first), so a
         drafter that could pay is tried and one that could not even then is not."""
         assert self.profile is not None
-        judging = self.stats.total_tried[0] >= self.cfg.judge_after
-        cands = uniform_candidates(self.stats.lower(self.cfg.caution if judging else 0.0), caps)
+        cands = candidates(self.estimates(num_requests, own), caps)
         admitted = algorithm1(cands, num_requests, 0, self.cost)
         gain = sum(c.survival for c in cands[:admitted])
         spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)

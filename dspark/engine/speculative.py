@@ -39,6 +39,7 @@ class SpeculativeRunner:
         self.base, self.drafter, self.policy, self.profile = base, drafter, policy, profile
         self.gamma = drafter.gamma
         self.stats = AcceptanceStats(self.gamma)
+        self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate
         use_gate = (gate or GateConfig()).enabled and policy.needs_cost
         self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, profile) if use_gate else None
         self.device = base.device
@@ -60,6 +61,7 @@ class SpeculativeRunner:
     def release(self, seq_id: str) -> None:
         self.pending.drop(seq_id)
         self.drafter.free(seq_id)
+        self.own.pop(seq_id, None)
 
     @torch.inference_mode()
     def step(self, scheduled: Sequence[ScheduledRequest]) -> StepResult:
@@ -71,10 +73,11 @@ class SpeculativeRunner:
         caps = [s.num_lookahead for s in decode]
         other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
+        own = [self.own.get(s.request.request_id) for s in decode]
         if decode and not drafting and self.gate is not None:
-            self.gate.withheld(len(decode), self.gamma)
+            self.gate.withheld(len(decode), self.gamma, own)
         if drafting and self.gate is not None:
-            drafting = self.gate.should_draft(len(decode), caps)
+            drafting = self.gate.should_draft(len(decode), caps, own)
             if drafting and self.gate.probing:
                 decode = self.gate.probe_subset(decode, self.steps)
                 caps = [s.num_lookahead for s in decode]
@@ -163,6 +166,9 @@ class SpeculativeRunner:
                                                                r.params.logprobs)
         if any(lengths):
             self.stats.update(lengths, verdict.num_accepted)
+            for r, ell, n in zip(reqs, lengths, verdict.num_accepted, strict=True):
+                if ell:
+                    self.own.setdefault(r.request_id, AcceptanceStats(self.gamma)).update([ell], [n])
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))
 

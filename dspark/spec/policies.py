@@ -36,18 +36,6 @@ def candidates(conf: torch.Tensor, caps: Sequence[int]) -> list[Candidate]:
     return out
 
 
-def uniform_candidates(conf: Sequence[float], caps: Sequence[int]) -> list[Candidate]:
-    """`candidates` for requests that share one confidence row (the running acceptance
-    estimates of a drafter without a confidence head), in plain Python: survival falls with
-    the position, so the order is position-major, requests in order within a position."""
-    surv, s = [], 1.0
-    for c in conf:
-        s *= c
-        surv.append(s)
-    return [Candidate(surv[j - 1], r, j) for j in range(1, max(caps, default=0) + 1) if surv[j - 1] > 0
-            for r, cap in enumerate(caps) if j <= cap]
-
-
 def lengths_from(chosen: Sequence[Candidate], num_requests: int) -> list[int]:
     ell = [0] * num_requests
     for c in chosen:

@@ -9,7 +9,9 @@ Few observations reach deep positions when early ones are rejected (hostile traf
 position 4 almost never), so each estimate is shrunk toward the one before it, not toward a
 fixed 0.5: without evidence, position k is assumed to accept like position k - 1. `lower`
 is the estimate less its standard error, for decisions that must not trust a handful of
-lucky probes (the gate opening for every request on three observations).
+lucky probes (the gate opening for every request on three observations). `blend` is one
+request's own record shrunk toward the shared estimates: one request whose drafts fail
+(a prompt unlike the drafter's training) is judged by its own record within a few steps.
 """
 
 from __future__ import annotations
@@ -56,3 +58,13 @@ class AcceptanceStats:
     def observed(self) -> list[float | None]:
         """Undecayed conditional acceptance per position (None where never tried)."""
         return [a / t if t else None for a, t in zip(self.total_accepted, self.total_tried, strict=True)]
+
+
+def blend(own: AcceptanceStats | None, shared: Sequence[float], weight: float) -> list[float]:
+    """A request's conditional acceptance per position: its own decayed record, with `weight`
+    pseudo-observations of the shared estimate at every position (no record, or weight 0: the
+    shared estimates)."""
+    if own is None or weight <= 0:
+        return list(shared)
+    return [min(0.99, max(0.01, (a + weight * c) / (t + weight)))
+            for a, t, c in zip(own.accepted, own.tried, shared, strict=True)]

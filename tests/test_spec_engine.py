@@ -208,3 +208,26 @@ def test_a_probe_after_a_closed_spell_drafts_from_the_whole_context(qwen3_dir, k
     run(engine, PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert engine.runner.drafted_steps < engine.runner.steps  # closed spells happened
     assert len(checked) >= 3 and all(got == want for got, want, _ in checked), checked
+
+
+@pytest.mark.parametrize("kind, keeps", [("dspark", True), ("ngram", False)])
+def test_the_gate_reads_request_records_of_steady_drafters_only(qwen3_dir, kind, keeps):
+    """A neural drafter's requests keep their own acceptance records for the gate; a copy drafter's
+    acceptance comes in bursts, so its requests are judged by everyone's record alone."""
+    from dspark.spec.profile import StepProfile
+
+    engine = engine_for(qwen3_dir, kind, "dspark")
+    engine.runner.set_profile(StepProfile("cheap", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 64],
+                                          draft_s=[1e-6, 1e-6]))
+    seen = []
+    step = engine.runner.step
+
+    def recording(scheduled):
+        out = step(scheduled)
+        seen.append(len(engine.runner.own))
+        return out
+
+    engine.runner.step = recording
+    run(engine, PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert engine.runner.drafted_steps > 0 and engine.runner.drafter.bursty is not keeps
+    assert (max(seen) > 0) is keeps

@@ -166,6 +166,13 @@ class Drafter(ABC):
         return False
 
     @property
+    def bursty(self) -> bool:
+        """Whether its acceptance comes and goes within a request (a copy drafter: a match now, none
+        later), so that a request's failed rounds say little about its next ones. The gate judges a
+        steady drafter's requests by their own records too, a bursty one's by everyone's."""
+        return False
+
+    @property
     def measured(self) -> Drafter:
         """The drafter whose proposals the step profile times (a router: its neural part)."""
         return self

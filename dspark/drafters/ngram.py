@@ -61,6 +61,10 @@ class NgramDrafter(Drafter):
         self.device: torch.device | str = "cpu"
         self.index: dict[str, SuffixIndex] = {}
 
+    @property
+    def bursty(self) -> bool:
+        return True
+
     def bind(self, target, num_blocks: int, block_size: int) -> None:
         self.vocab_size = target.config.vocab_size
         self.device = target.device

@@ -83,6 +83,10 @@ class RoutedDrafter(Drafter):
         return True
 
     @property
+    def bursty(self) -> bool:
+        return True  # half of it copies; and it weighs each request's own record itself (expect, kappa)
+
+    @property
     def measured(self) -> Drafter:
         return self.neural.measured
 

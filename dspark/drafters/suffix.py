@@ -121,6 +121,10 @@ class SuffixDrafter(Drafter):
     def has_confidence(self) -> bool:
         return True
 
+    @property
+    def bursty(self) -> bool:
+        return True
+
     def bind(self, target, num_blocks: int, block_size: int) -> None:
         self.vocab_size = target.config.vocab_size
         self.device = target.device

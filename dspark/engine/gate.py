@@ -37,9 +37,10 @@ class GateConfig:
     # policy at 1.35x plain where static:7 ran 1.53x (dspark-small in bfloat16, one request, a
     # short lockstep run not kept), 0 ran 1.71x
     own_weight: float = 4.0  # a request's own acceptance record counts against this many observations of
-    # everyone's at each position (0: everyone's alone). With the shared estimates only, one long request
-    # whose drafts all failed (4 of 253 draft tokens accepted, dspark-small) kept the gate open alone at
-    # the end of a C = 4 mixed run on the other requests' record, and the run lost 7% to plain
+    # everyone's at each position (0: everyone's alone; a bursty drafter, `Drafter.bursty`, keeps none).
+    # With everyone's record only, one long request whose drafts all failed (4 of 253 draft tokens
+    # accepted, dspark-small) kept the gate open alone at the end of a C = 4 mixed run, on the other
+    # requests' record, and the run lost 7% to plain
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x

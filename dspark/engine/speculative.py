@@ -73,7 +73,7 @@ class SpeculativeRunner:
         caps = [s.num_lookahead for s in decode]
         other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
-        own = [self.own.get(s.request.request_id) for s in decode]
+        own = [] if self.drafter.bursty else [self.own.get(s.request.request_id) for s in decode]
         if decode and not drafting and self.gate is not None:
             self.gate.withheld(len(decode), self.gamma, own)
         if drafting and self.gate is not None:
@@ -167,7 +167,7 @@ class SpeculativeRunner:
         if any(lengths):
             self.stats.update(lengths, verdict.num_accepted)
             for r, ell, n in zip(reqs, lengths, verdict.num_accepted, strict=True):
-                if ell:
+                if ell and not self.drafter.bursty:
                     self.own.setdefault(r.request_id, AcceptanceStats(self.gamma)).update([ell], [n])
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))

@@ -39,7 +39,7 @@ class SpeculativeRunner:
         self.base, self.drafter, self.policy, self.profile = base, drafter, policy, profile
         self.gamma = drafter.gamma
         self.stats = AcceptanceStats(self.gamma)
-        self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate
+        self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate (keeps_records)
         use_gate = (gate or GateConfig()).enabled and policy.needs_cost
         self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, profile) if use_gate else None
         self.device = base.device
@@ -58,6 +58,12 @@ class SpeculativeRunner:
         """Draft slots the scheduler should reserve next step (None: the engine's default, γ)."""
         return None if self.gate is None or self.gate.wants_slots() else 0
 
+    @property
+    def keeps_records(self) -> bool:
+        """Whether requests keep their own acceptance records: only the gate reads them, and not for
+        a bursty drafter (`Drafter.bursty`)."""
+        return self.gate is not None and not self.drafter.bursty
+
     def release(self, seq_id: str) -> None:
         self.pending.drop(seq_id)
         self.drafter.free(seq_id)
@@ -73,7 +79,7 @@ class SpeculativeRunner:
         caps = [s.num_lookahead for s in decode]
         other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
-        own = [] if self.drafter.bursty else [self.own.get(s.request.request_id) for s in decode]
+        own = [self.own.get(s.request.request_id) for s in decode] if self.keeps_records else []
         if decode and not drafting and self.gate is not None:
             self.gate.withheld(len(decode), self.gamma, own)
         if drafting and self.gate is not None:
@@ -167,7 +173,7 @@ class SpeculativeRunner:
         if any(lengths):
             self.stats.update(lengths, verdict.num_accepted)
             for r, ell, n in zip(reqs, lengths, verdict.num_accepted, strict=True):
-                if ell and not self.drafter.bursty:
+                if ell and self.keeps_records:
                     self.own.setdefault(r.request_id, AcceptanceStats(self.gamma)).update([ell], [n])
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))

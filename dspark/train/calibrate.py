@@ -106,9 +106,9 @@ def shipped_temperatures(cal: Calibration, current: tuple[list[float], list[dict
                                            f"the mean held-out ECE ({raw:.4f} -> {fitted:.4f}).")
 
 
-def current_temperatures(drafter_dir: str, key: str) -> list[float]:
-    """What requests of this kind read now: `sts_greedy` falls back to `sts_temperatures` ([]: raw)."""
-    raw = json.loads((Path(drafter_dir) / "config.json").read_text())
+def current_temperatures(raw: dict, key: str) -> list[float]:
+    """What requests of this kind read now, from a drafter's config.json: `sts_greedy` falls back to
+    `sts_temperatures` ([]: raw)."""
     return list(raw.get(key) or raw.get("sts_temperatures") or [])
 
 
@@ -131,13 +131,13 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
     out.mkdir(parents=True, exist_ok=True)
     reliability_plot(logits, accepted, cal, out / "reliability.png")
     key = config_key(temperature)
-    now = current_temperatures(drafter_dir, key)
+    cfg_path = Path(drafter_dir) / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    now = current_temperatures(raw, key)
     fits = len(now) == logits.shape[1]  # temperatures for another gamma say nothing about this one
     current = (now, metrics(survival(logits.double(), now), outcomes(accepted, len(now)))) if fits else None
     temps, verdict = shipped_temperatures(cal, current)
     if write and temps is not None:
-        cfg_path = Path(drafter_dir) / "config.json"
-        raw = json.loads(cfg_path.read_text())
         raw[key] = [round(t, 5) for t in temps]
         cfg_path.write_text(json.dumps(raw, indent=2))
     rows = [[k + 1, b["ece"], a["ece"], b["auroc"] or float("nan"), a["auroc"] or float("nan"), b["brier"], a["brier"],

@@ -97,7 +97,7 @@ def test_context_residual_serving_equals_teacher_forced(target, kind):
 
 
 def test_context_residual_starts_as_the_drafter_it_grows_from(target):
-    from dspark.train.drafter import with_context_residual
+    from dspark.train.surgery import with_context_residual
 
     d = bound("dspark", target)
     wide = with_context_residual(d)
@@ -110,6 +110,29 @@ def test_context_residual_starts_as_the_drafter_it_grows_from(target):
     assert wide.config.context_residual and torch.equal(a, b) and torch.equal(ca, cb)
     with pytest.raises(ValueError, match="block-backbone option"):
         new_config("eagle3", target.config, 5, context_residual=True)
+
+
+@pytest.mark.parametrize(("head", "rank", "atol"), [("markov", 96, 1e-5), ("gated", 64, 0.05), ("rnn", 64, 0.05)])
+def test_a_reheaded_drafter_starts_from_the_markov_head_it_grows_from(target, head, rank, atol):
+    """A wider Markov head computes the old logits and confidences (up to rounding); a gated or RNN head
+    starts close to them (an open gate; tanh of a small embedding); the backbone is carried whole."""
+    from dspark.train.surgery import reheaded
+
+    d = bound("dspark", target)
+    with torch.no_grad():
+        d.head.w1.weight.normal_(0, 0.05)  # a trained embedding's scale
+    new = reheaded(d, head, rank)
+    new._target = [target]
+    tokens = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        _, taps = target.forward_dense(tokens, d.taps)
+        a, ca = d.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+        b, cb = new.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+    assert (new.config.head, new.config.rank) == (head, rank)
+    assert torch.allclose(a, b, atol=atol, rtol=0) and torch.allclose(ca, cb, atol=atol, rtol=0)
+    assert head == "markov" or not torch.allclose(a, b, atol=1e-5, rtol=0)  # a new head kind is another function
+    with pytest.raises(ValueError, match="rehead"):
+        reheaded(d, "markov", 32)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "eagle3", "mtp"])

@@ -34,6 +34,7 @@ from dspark.drafters.registry import new_config, new_drafter
 from dspark.train.anchors import BlockBatch, make_batch
 from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.losses import LossWeights, acceptance, drafter_loss
+from dspark.train.surgery import grow, reheaded, with_context_residual
 
 
 @dataclass(frozen=True)
@@ -198,41 +199,10 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
     if cfg.context_residual and not dcfg.context_residual:
         drafter = with_context_residual(drafter)
+    if cfg.kind == "dspark" and ((cfg.head or dcfg.head) != dcfg.head or cfg.rank != dcfg.rank):
+        drafter = reheaded(drafter, cfg.head or dcfg.head, cfg.rank)
     drafter.config = drafter.config.replace(sts_temperatures=(), sts_greedy=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
-
-
-def with_context_residual(drafter):
-    """A copy of a DSpark/DFlash drafter that also reads the feature before the anchor into every block slot;
-    its new projection starts at zero, so it computes exactly what it did until training moves it."""
-    wider, missing = rebuilt(drafter, context_residual=True)
-    assert missing == ["backbone.residual.weight"], missing
-    return wider
-
-
-def rebuilt(drafter, **changes):
-    """A drafter of the changed config holding every weight of `drafter` -> (it, the names of its new weights)."""
-    bigger = new_drafter(drafter.config.replace(**changes))
-    missing, unexpected = bigger.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected, unexpected
-    return bigger, missing
-
-
-def grow(drafter, num_layers: int):
-    """A deeper copy of a DSpark/DFlash drafter that computes exactly what it did: its layers
-    first, then new layers whose output projections (attention o_proj, MLP down_proj) start at
-    zero, so each new layer adds nothing to the residual stream until training moves it."""
-    old = drafter.config.num_layers
-    if drafter.config.kind not in ("dspark", "dflash") or num_layers < old:
-        raise ValueError(f"can grow a dspark/dflash backbone deeper, not a {drafter.config.kind} "
-                         f"drafter from {old} to {num_layers} layers")
-    deeper, missing = rebuilt(drafter, num_layers=num_layers)
-    assert all(k.startswith("backbone.layers.") for k in missing), missing
-    with torch.no_grad():
-        for layer in deeper.backbone.layers[old:]:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-    return deeper
 
 
 def setup_distributed(device: torch.device) -> tuple[int, int]:

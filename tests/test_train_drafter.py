@@ -92,3 +92,18 @@ def test_init_from_moves_to_other_target_layers(qwen3_dir, saved):
     assert dcfg.taps == (2,) and drafter.taps == (2,)
     with pytest.raises(ValueError, match="taps"):
         build(config(qwen3_dir, saved, taps=(0, 1)))
+
+
+def test_init_from_changes_the_sequential_head_and_keeps_the_rank_unless_told(qwen3_dir, saved):
+    """head / rank in the config rehead a saved DSpark drafter (train/surgery.py); a config that names
+    neither keeps the saved head and rank, whatever that rank is; a narrower rank is refused."""
+    _, _, same, dcfg = build(config(qwen3_dir, saved))
+    assert (dcfg.head, dcfg.rank) == ("markov", 64)
+    train(config(qwen3_dir, saved, head="rnn", rank=96, export_dir=str(saved / "rnn")))
+    out = load_drafter(str(saved / "rnn"))
+    assert (out.config.head, out.config.rank) == ("rnn", 96)
+    save_drafter(out, out.config, saved / "start")  # the rnn drafter, rank 96, as the next stage's start
+    _, _, again, dcfg = build(config(qwen3_dir, saved))
+    assert (dcfg.head, dcfg.rank) == ("rnn", 96)
+    with pytest.raises(ValueError, match="rehead"):
+        build(config(qwen3_dir, saved, head="markov"))

@@ -50,7 +50,7 @@ class DrafterTrainConfig:
     head: str = ""  # dspark: markov | gated | rnn
     taps: tuple[int, ...] = ()  # target layers the drafter reads (empty: the kind's default)
     context_residual: bool = False  # dspark/dflash: the feature before the anchor into every slot's residual
-    rank: int = 64
+    rank: int = 0  # the sequential head's rank (0: 64 for a new drafter, init_from's own otherwise)
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
     seq_len: int = 512
@@ -112,7 +112,7 @@ def build(cfg: DrafterTrainConfig, loaded=None):
         extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head,
                                    "taps": tuple(cfg.taps), "context_residual": cfg.context_residual}.items() if v}
         if cfg.kind == "dspark":
-            extra["rank"] = cfg.rank
+            extra["rank"] = cfg.rank or 64
         dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
         drafter = new_drafter(dcfg)
     drafter = drafter.to(train_device(cfg))
@@ -184,7 +184,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     """The drafter at cfg.init_from, in float32, as the start of a further stage (e.g. after the
     target trained further). Its STS temperatures are dropped: calibrate the new weights again.
     `cfg.taps` moves it to other target layers (as many as it reads), e.g. onto a target grown
-    deeper (`train.target.deepen`: tiny's layer i is the grown model's layer 4i + 3)."""
+    deeper (`train.target.deepen`: tiny's layer i is the grown model's layer 4i + 3); `num_layers`,
+    `context_residual`, `head` and `rank` grow it into another shape (`train/surgery.py`)."""
     from dspark.drafters.registry import load_drafter
 
     drafter = load_drafter(cfg.init_from)
@@ -199,8 +200,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
     if cfg.context_residual and not dcfg.context_residual:
         drafter = with_context_residual(drafter)
-    if cfg.kind == "dspark" and ((cfg.head or dcfg.head) != dcfg.head or cfg.rank != dcfg.rank):
-        drafter = reheaded(drafter, cfg.head or dcfg.head, cfg.rank)
+    if cfg.kind == "dspark" and ((cfg.head or dcfg.head) != dcfg.head or (cfg.rank or dcfg.rank) != dcfg.rank):
+        drafter = reheaded(drafter, cfg.head or dcfg.head, cfg.rank or dcfg.rank)
     drafter.config = drafter.config.replace(sts_temperatures=(), sts_greedy=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
 

@@ -96,17 +96,21 @@ def test_context_residual_serving_equals_teacher_forced(target, kind):
     assert not torch.allclose(logits, without[0, 0], atol=1e-3)  # the feature really enters the block
 
 
+def old_and_grown(old, grown, target):
+    """Teacher-forced (logits, confidences) of a drafter and of one grown from it, on the same tokens."""
+    grown._target = [target]
+    tokens = torch.arange(3, 23)[None]
+    with torch.no_grad():
+        _, taps = target.forward_dense(tokens, old.taps)
+        return [d.train_forward(taps, tokens, torch.tensor([[0, 8]])) for d in (old, grown)]
+
+
 def test_context_residual_starts_as_the_drafter_it_grows_from(target):
     from dspark.train.surgery import with_context_residual
 
     d = bound("dspark", target)
     wide = with_context_residual(d)
-    wide._target = [target]
-    tokens = torch.arange(3, 23)[None]
-    with torch.no_grad():
-        _, taps = target.forward_dense(tokens, d.taps)
-        a, ca = d.train_forward(taps, tokens, torch.tensor([[0, 8]]))
-        b, cb = wide.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+    (a, ca), (b, cb) = old_and_grown(d, wide, target)
     assert wide.config.context_residual and torch.equal(a, b) and torch.equal(ca, cb)
     with pytest.raises(ValueError, match="block-backbone option"):
         new_config("eagle3", target.config, 5, context_residual=True)
@@ -122,12 +126,7 @@ def test_a_reheaded_drafter_starts_from_the_markov_head_it_grows_from(target, he
     with torch.no_grad():
         d.head.w1.weight.normal_(0, 0.05)  # a trained embedding's scale
     new = reheaded(d, head, rank)
-    new._target = [target]
-    tokens = torch.arange(3, 23)[None]
-    with torch.no_grad():
-        _, taps = target.forward_dense(tokens, d.taps)
-        a, ca = d.train_forward(taps, tokens, torch.tensor([[0, 8]]))
-        b, cb = new.train_forward(taps, tokens, torch.tensor([[0, 8]]))
+    (a, ca), (b, cb) = old_and_grown(d, new, target)
     assert (new.config.head, new.config.rank) == (head, rank)
     assert torch.allclose(a, b, atol=atol, rtol=0) and torch.allclose(ca, cb, atol=atol, rtol=0)
     assert head == "markov" or not torch.allclose(a, b, atol=1e-5, rtol=0)  # a new head kind is another function

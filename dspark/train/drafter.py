@@ -200,8 +200,9 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
     if cfg.context_residual and not dcfg.context_residual:
         drafter = with_context_residual(drafter)
-    if cfg.kind == "dspark" and ((cfg.head or dcfg.head) != dcfg.head or (cfg.rank or dcfg.rank) != dcfg.rank):
-        drafter = reheaded(drafter, cfg.head or dcfg.head, cfg.rank or dcfg.rank)
+    head, rank = cfg.head or dcfg.head, cfg.rank or dcfg.rank
+    if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
+        drafter = reheaded(drafter, head, rank)
     drafter.config = drafter.config.replace(sts_temperatures=(), sts_greedy=(), taps=tuple(cfg.taps) or dcfg.taps)
     return drafter.float()
 

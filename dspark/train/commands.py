@@ -1,4 +1,4 @@
-"""`dspark train ...` subcommands: corpus, tokenizer, target, eval-target.
+"""`dspark train ...` subcommands: corpus, tokenizer, target, regen, drafter(s), eval-target, eval-drafter.
 
     dspark train corpus --out ~/.cache/dspark/corpus
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \
@@ -6,6 +6,7 @@
     dspark train target --config configs/target-tiny.toml
     dspark train drafters --config A.toml --config B.toml   # several drafters, one target pass per batch
     dspark train eval-target --model ~/.cache/dspark/export/dspark-tiny-target --out eval.json
+    dspark train eval-drafter --config A.toml --drafter DIR --drafter DIR2   # one set of held-out batches
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--out", default=None, help="write the results as JSON here")
     e.set_defaults(func=run_eval_target)
+    v = sub.add_parser("eval-drafter", help="held-out teacher-forced acceptance of saved drafters, side by side")
+    v.add_argument("--config", required=True, help="a drafter training config: target, held-out data, batches")
+    v.add_argument("--drafter", action="append", default=[], help="a drafter directory; repeat")
+    v.add_argument("--anchors", type=int, default=0, help="anchors per held-out sequence (0: the config's)")
+    v.add_argument("--out", default=None, help="write the results as JSON here")
+    v.set_defaults(func=run_eval_drafter)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -137,4 +144,18 @@ def run_eval_target(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).expanduser().write_text(json.dumps(result, indent=2))
     print(render_markdown(result))
+    return 0
+
+
+def run_eval_drafter(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from dspark.report import stamp
+    from dspark.train.drafter import DrafterTrainConfig
+    from dspark.train.eval_drafter import evaluate_drafters
+
+    result = {**stamp(), **evaluate_drafters(DrafterTrainConfig.from_file(args.config), args.drafter, args.anchors)}
+    if args.out:
+        Path(args.out).expanduser().write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
     return 0

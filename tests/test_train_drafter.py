@@ -111,13 +111,12 @@ def test_init_from_changes_the_sequential_head_and_keeps_the_rank_unless_told(qw
 
 
 def test_eval_drafter_measures_a_saved_drafter_as_training_does(qwen3_dir, saved):
-    from dspark.train.drafter import evaluate
+    from dspark.train.drafter import evaluate, read_rows
     from dspark.train.eval_drafter import evaluate_drafters
 
     cfg = dataclasses.replace(config(qwen3_dir, saved), eval_batches=2)
     target, tok, drafter, _ = build(cfg)
-    expected = evaluate(drafter, target, [json.loads(line) for line in (saved / "rows.jsonl").open()], cfg, 7,
-                        tok.token_id("<|endoftext|>") or 0)
+    expected = evaluate(drafter, target, read_rows(cfg.heldout), cfg, 7, tok.token_id("<|endoftext|>") or 0)
     result = evaluate_drafters(cfg, [str(saved / "start")])
     assert result["drafters"][str(saved / "start")] == expected
     assert evaluate_drafters(cfg, [str(saved / "start")], anchors=3)["settings"]["anchors_per_seq"] == 3

@@ -21,6 +21,7 @@ from dspark.train.drafter import DrafterTrainConfig, evaluate, load_frozen_targe
 
 def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors: int = 0) -> dict:
     """{drafter dir: held-out acceptance per position, expected τ (and confidence error)}."""
+    from dspark.drafters.neural import check_compatible
     from dspark.drafters.registry import load_drafter
 
     if not drafters:
@@ -33,8 +34,7 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
     out = {}
     for path in drafters:
         drafter = load_drafter(path).float().to(train_device(cfg))
-        if drafter.config.vocab_size != target.config.vocab_size:
-            raise ValueError(f"{path}: a drafter for a target with another vocabulary")
+        check_compatible(drafter.config, target)
         drafter._target = [target]  # type: ignore[attr-defined]
         out[path] = evaluate(drafter, target, held, cfg, drafter.config.gamma, pad)
     return {"settings": {k: getattr(cfg, k) for k in ("model", "heldout", "seq_len", "batch_size", "eval_batches",

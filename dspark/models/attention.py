@@ -13,7 +13,7 @@ to grids of similar lengths, and each request's context is gathered whole blocks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
@@ -32,6 +32,20 @@ class AttentionGroup:
     query_rows: torch.Tensor  # [n] long: the valid entries of the flattened [R, Q] grid, in order
     kv_blocks: torch.Tensor  # [R, B] cache block of request r's j-th block of context (0 = pad)
     mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
+    dense: bool = False  # every request has Q new tokens, the first R*Q flat rows in order: no gather needed
+    derived: dict = field(default_factory=dict, compare=False, repr=False)  # see `grid_mask`
+
+    def grid_mask(self, rep: int, additive: bool) -> torch.Tensor:
+        """The mask with each KV head's `rep` query heads folded into the query axis
+        [R, 1, rep*Q, K]: bool, or float32 0 / -inf to add to scores. Derived once per step (every
+        layer reads the same one; repeating it in each layer cost ~1.5 ms of a 30 ms step)."""
+        key = (rep, additive)
+        if key not in self.derived:
+            mask = self.mask.repeat(1, 1, rep, 1) if rep > 1 else self.mask
+            if additive:
+                mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
+            self.derived[key] = mask
+        return self.derived[key]
 
 
 @dataclass(frozen=True)
@@ -128,7 +142,9 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     if causal:
         mask = mask & (keys[None, None, :] <= qpos[:, :, None])
     mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
+    dense = all(n == num_q for n in query_lens) and list(starts) == [i * num_q for i in range(len(starts))]
     return AttentionGroup(
+        dense=dense,
         query_index=upload(query_index, device),
         query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
         kv_blocks=upload(tables, device),
@@ -157,21 +173,20 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """One group's queries (flat q [N, H, D]) against their contexts -> [n, H, D], group order."""
     heads, kv_heads = q.shape[1], k_cache.shape[1]
     rep = heads // kv_heads
-    qp = q[group.query_index].transpose(1, 2)  # [R, H, Q, D]
+    r, nq = group.query_index.shape
+    qp = (q[: r * nq].view(r, nq, *q.shape[1:]) if group.dense else q[group.query_index]).transpose(1, 2)  # [R, H, Q, D]
     kp, vp = context_kv(k_cache, group, block_size), context_kv(v_cache, group, block_size)  # [R, Hkv, K, D]
-    r, _, nq, d = qp.shape
-    mask = group.mask
-    if rep > 1:  # GQA without copying K/V: fold each KV head's query group into the query axis
-        qp = qp.reshape(r, kv_heads, rep * nq, d)
-        mask = mask.repeat(1, 1, rep, 1)
-    out = _attend(qp, kp, vp, mask)  # [R, Hkv, rep*Q, D]
-    out = out.reshape(r, heads, nq, d)
+    d = qp.shape[-1]
+    qp = qp.reshape(r, kv_heads, rep * nq, d)  # GQA without copying K/V: each KV head's query group on the query axis
+    out = _attend(qp, kp, vp, group.grid_mask(rep, additive=q.dtype != torch.float32))  # [R, Hkv, rep*Q, D]
+    out = out.reshape(r, heads, nq, d).transpose(1, 2).reshape(r * nq, heads, d)
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
-    return out.transpose(1, 2).reshape(r * nq, heads, d)[group.query_rows]
+    return out if group.dense else out[group.query_rows]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
-    """Attention of a group's query rows. In reduced precision it is written as two batched
+    """Attention of a group's query rows; `mask` is bool in float32 (the fused kernel's), else
+    float32 0 / -inf added to the scores (the same as filling -inf). In reduced precision it is written as two batched
     matrix products with the softmax in float32, over tiles of query rows: a fused kernel
     blocks its work by the number of queries, so a row's result depended on how many rows
     shared its forward (a verify row rounded differently from the plain step it replaces, a
@@ -184,7 +199,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     outs = []
     for i in range(0, q.shape[-2], tile):
         scores = torch.matmul(q[..., i : i + tile, :], kt).float() * scale
-        probs = torch.softmax(scores.masked_fill(~mask[..., i : i + tile, :], float("-inf")), dim=-1)
+        probs = torch.softmax(scores + mask[..., i : i + tile, :], dim=-1)
         outs.append(torch.matmul(probs.to(v.dtype), v))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 

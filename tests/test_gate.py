@@ -4,6 +4,8 @@ follows new acceptance statistics at once and a drifting profile within `recheck
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_a_prefill_step_does_not_open_a_closed_gate():
     free; the gate still judges decoding alone (opening would draft for every request, each
     catching up its pending context), so it stays closed and the probe backoff keeps growing."""
     prof = StepProfile("test", tokens=[1, 1001], verify_s=[0.011, 1.011], requests=[1, 8], draft_s=[0.02, 0.02])
-    gate = Gate(GateConfig(probe_every=2, probe_max=64, judge_after=0), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
+    gate = Gate(GateConfig(probe_every=2, probe_max=64, judge_after=0, optimism=0.0), AcceptanceStats(GAMMA), prof)  # prior c = 0.5
     for _ in range(20):
         gate.should_draft(1, [GAMMA])
     grown = gate.interval
@@ -250,7 +252,7 @@ def test_a_few_lucky_probes_do_not_open_the_gate():
     for _ in range(100):
         steady.update([GAMMA] * 2, [GAMMA] * 2)
     assert algorithm1(candidates(torch.tensor([lucky.conditional()] * 4), [GAMMA] * 4), 4, 0, prof.cost) > 0  # trusting it: open
-    cautious = GateConfig(probe_every=1000, judge_after=0, caution=1.0)
+    cautious = GateConfig(probe_every=1000, judge_after=0, caution=1.0, optimism=0.0)
     assert not Gate(cautious, lucky, prof).should_draft(4, [GAMMA] * 4)
     assert Gate(cautious, steady, prof).should_draft(4, [GAMMA] * 4)
 
@@ -262,14 +264,15 @@ def test_the_gate_is_cautious_only_after_enough_verified_drafts():
     drafter that pays at the prior is tried, one that could not is not."""
     prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.004] * 2)
     s = AcceptanceStats(GAMMA)
-    gate = Gate(GateConfig(probe_every=1000, judge_after=16, caution=1.0), s, prof)
+    cautious = GateConfig(probe_every=1000, judge_after=16, caution=1.0, optimism=0.0)
+    gate = Gate(cautious, s, prof)
     assert gate.should_draft(1, [GAMMA])  # the prior, 0.5 per position, pays at this profile
-    assert not Gate(GateConfig(probe_every=1000, judge_after=0, caution=1.0), AcceptanceStats(GAMMA), prof).should_draft(1, [GAMMA])
+    assert not Gate(replace(cautious, judge_after=0), AcceptanceStats(GAMMA), prof).should_draft(1, [GAMMA])
     for _ in range(16):
         s.update([GAMMA], [0] if _ % 2 else [1])  # half the first positions accepted, none after
     assert not gate.should_draft(1, [GAMMA])  # judged now, cautiously: drafting loses
     costly = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.012, 0.03], requests=[1, 8], draft_s=[0.05] * 2)
-    assert not Gate(GateConfig(probe_every=1000, caution=1.0), AcceptanceStats(GAMMA), costly).should_draft(1, [GAMMA])
+    assert not Gate(cautious, AcceptanceStats(GAMMA), costly).should_draft(1, [GAMMA])
 
 
 def test_a_noisy_profile_point_takes_the_value_after_it():
@@ -300,7 +303,7 @@ def test_a_request_whose_drafts_fail_is_judged_by_its_own_record():
     gate = Gate(GateConfig(probe_every=1000), stats(accept=True), profile(draft_s=0.008))
     bad, good = AcceptanceStats(GAMMA), AcceptanceStats(GAMMA)
     assert gate.should_draft(1, [GAMMA], [bad])  # no record yet: everyone's
-    for _ in range(20):
+    for _ in range(40):  # enough that its record's upper bound (optimism) is low too
         bad.update([GAMMA], [0])
         good.update([GAMMA], [GAMMA])
     gate.stats.update([GAMMA], [GAMMA])  # a new round somewhere (records change with the shared version)
@@ -311,14 +314,50 @@ def test_a_request_whose_drafts_fail_is_judged_by_its_own_record():
         1, [GAMMA], [bad])  # own_weight 0: everyone's record alone
 
 
-def test_blend_shrinks_a_request_record_toward_the_shared_estimates():
+def test_blend_shrinks_a_request_record_toward_everyone_elses_estimates():
     from dspark.spec.stats import blend
 
-    shared = [0.8, 0.6, 0.5, 0.4]
-    assert blend(None, shared, 4.0) == shared
+    shared = AcceptanceStats(GAMMA)
+    for _ in range(200):
+        shared.update([GAMMA], [2])  # everyone else: positions 1-2 accepted, 3 rejected
+    assert blend(None, shared, 4.0) is shared
     own = AcceptanceStats(GAMMA)
     for _ in range(4):
         own.update([GAMMA], [0])  # position 1 tried 4 times, never accepted; later positions never tried
-    mixed = blend(own, shared, 4.0)
-    assert mixed[0] == pytest.approx(0.4, abs=0.02) and mixed[1:] == pytest.approx(shared[1:])
-    assert blend(own, shared, 0.0) == shared
+        shared.update([GAMMA], [0])  # the engine records a request's rounds in everyone's record too
+    mixed = blend(own, shared, 4.0).conditional()
+    assert mixed[0] == pytest.approx(0.5, abs=0.02)  # (0 + 4 * ~1 + 2 * 0.5) / (4 + 4 + 2): its own four counted once
+    assert mixed[0] < mixed[1] < shared.conditional()[1] and mixed[2] < 0.3  # the others' shape, shrunk toward it
+    assert blend(own, shared, 0.0) is shared
+    assert blend(own, shared, 4.0).lower(-1.0)[0] > mixed[0] + 0.1  # the upper bound: ten observations' worth
+
+
+def test_a_request_alone_in_everyones_record_is_not_counted_twice():
+    """One request on a fresh engine: everyone's record is its own, and nothing else is left."""
+    from dspark.spec.stats import blend
+
+    shared, own = AcceptanceStats(GAMMA), AcceptanceStats(GAMMA)
+    for _ in range(2):
+        for s in (shared, own):
+            s.update([GAMMA], [0])
+    rest = shared.without(own)
+    assert rest.tried == [0.0] * GAMMA and rest.accepted == [0.0] * GAMMA
+    assert blend(own, shared, 4.0).conditional() == pytest.approx(shared.conditional())  # 0.25 at every position
+
+
+def test_two_rejected_first_positions_do_not_end_drafting_on_a_fresh_engine():
+    """The README's first command: one request, a drafter whose first position is accepted about
+    half the time, and its first two drafts rejected (a one-in-four event). Judged at face value the
+    gate closed there for the rest of the request; with the estimates' upper bound it keeps drafting,
+    and a request whose drafts keep failing is still closed within a few more rounds."""
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.01, 0.013, 0.03], requests=[1, 8], draft_s=[0.003] * 2)
+    shared, own = AcceptanceStats(GAMMA), AcceptanceStats(GAMMA)
+    for _ in range(2):
+        for s in (shared, own):
+            s.update([GAMMA], [0])
+    assert Gate(GateConfig(probe_every=1000), shared, prof).should_draft(1, [GAMMA], [own])
+    assert not Gate(GateConfig(probe_every=1000, optimism=0.0), shared, prof).should_draft(1, [GAMMA], [own])
+    for _ in range(8):
+        for s in (shared, own):
+            s.update([GAMMA], [0])
+    assert not Gate(GateConfig(probe_every=1000), shared, prof).should_draft(1, [GAMMA], [own])

@@ -43,14 +43,23 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def native_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AVX512-BF16 or AMX)."""
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+
+
 def default_dtype(device: str) -> str:
-    """$DSPARK_DTYPE when set; else bfloat16 on CUDA and float32 on CPU. (On a CPU with native
-    bfloat16 a bfloat16 matrix product of 8 rows costs about what one row does, but every
-    one-row step got slower: dspark-small decoded at 30 tok/s in bfloat16 against 41 in float32,
-    and speculation's better ratio did not make up for it.)"""
+    """$DSPARK_DTYPE when set; else bfloat16 on CUDA and on CPUs with native bfloat16, float32
+    on other CPUs. With native bfloat16 a matrix product of 8 rows costs about what one row
+    does (float32 pays about 1.3x from the second row on), so verifying a draft block is nearly
+    free: on dspark-small at one request every speculative configuration ran 12-26% faster than
+    in float32, and plain decoding 5% slower (`docs/results/online/dtype/`)."""
     if os.environ.get("DSPARK_DTYPE"):
         return os.environ["DSPARK_DTYPE"]
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    if device.startswith("cuda") or native_bf16_cpu():
+        return "bfloat16"
+    return "float32"
 
 
 @dataclass(frozen=True)

@@ -185,3 +185,14 @@ def test_runs_of_invalid_bytes_keep_the_window_short(tiny, which):
         assert detok.stop_at is not None  # found in the shown text, as a full decode finds it
         assert detok.final(ids) == tok.decode(ids)[: tok.decode(ids).find("\ufffd" * 5)]
     assert longest <= LIMIT + 1
+
+
+def test_pad_id_is_end_of_text_where_the_vocabulary_has_it():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from dspark.models.tokenizer import TextTokenizer
+
+    with_eot = TextTokenizer(Tokenizer(WordLevel({"a": 0, "<|endoftext|>": 5}, unk_token="a")), {}, ())
+    without = TextTokenizer(Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")), {}, ())
+    assert with_eot.pad_id == 5 and without.pad_id == 0

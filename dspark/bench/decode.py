@@ -53,7 +53,7 @@ def run(model: str | None, concurrency: list[int], max_tokens: int, repeats: int
     texts = load_prompt_texts(["gsm8k", "humaneval", "mt-bench"], per_dataset=max(concurrency))
     chat = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     encoded = [tok.encode(c)[-256:] for c in chat]
-    pad = tok.token_id("<|endoftext|>") or 0
+    pad = tok.pad_id
     rows = []
     ours(engine, encoded[:2], 8)  # warm-up both
     theirs(hf, encoded[:2], 8, pad)

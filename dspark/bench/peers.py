@@ -144,7 +144,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     jobs = render(tok, prompts, context - s.max_tokens - 16)
     cfg = engine_config(path, 1, max(len(j.ids) for j in jobs) + s.max_tokens + 16, s.device)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=cfg.torch_dtype).to(cfg.device).eval()
-    pad = tok.token_id("<|endoftext|>") or 0
+    pad = tok.pad_id
     spec_label = f"dspark {drafter}:{policy}"
     spec = build_engine(path, drafter, policy, cfg, profile=s.profile)
     gamma = spec.runner.gamma

@@ -50,6 +50,13 @@ class TextTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tok.token_to_id(token)
 
+    @property
+    def pad_id(self) -> int:
+        """The id that pads batches (training rows, a peer's batched prompts): the end-of-text
+        token where the vocabulary has one, else 0."""
+        found = self.token_id("<|endoftext|>")
+        return 0 if found is None else found
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise ValueError("this model's tokenizer_config.json has no chat_template")

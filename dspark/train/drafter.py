@@ -253,7 +253,7 @@ def checkpoint_state(drafter, opt, step: int, cfg: DrafterTrainConfig) -> dict:
 def train(cfg: DrafterTrainConfig) -> dict:
     rank, world = setup_distributed(train_device(cfg))
     target, tok, drafter, dcfg = build(cfg)
-    pad = tok.token_id("<|endoftext|>") or 0
+    pad = tok.pad_id
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = optimizer(params, cfg)
     state, step = load_state(cfg.run_dir, rank, world), 0

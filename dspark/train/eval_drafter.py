@@ -30,7 +30,7 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
         cfg = dataclasses.replace(cfg, anchors_per_seq=anchors)
     target, tok = load_frozen_target(cfg)
     held = read_rows(cfg.heldout)
-    pad = tok.token_id("<|endoftext|>") or 0
+    pad = tok.pad_id
     out = {}
     for path in drafters:
         drafter = load_drafter(path).float().to(train_device(cfg))

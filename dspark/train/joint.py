@@ -115,7 +115,7 @@ def train_joint(cfgs: list[DrafterTrainConfig]) -> dict[str, dict]:
     if len({m.step for m in members}) > 1:
         raise ValueError(f"the run directories are at different steps {[m.step for m in members]}: resume each "
                          "alone to the same step, or start them afresh")
-    pad = tok.token_id("<|endoftext|>") or 0
+    pad = tok.pad_id
     layers = sorted({t for m in members for t in m.drafter.taps})
     gmax = max(m.gamma for m in members)
     rows, held = read_rows(first.data), read_rows(first.heldout)

@@ -191,8 +191,6 @@ def test_pad_id_is_end_of_text_where_the_vocabulary_has_it():
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
 
-    from dspark.models.tokenizer import TextTokenizer
-
     with_eot = TextTokenizer(Tokenizer(WordLevel({"a": 0, "<|endoftext|>": 5}, unk_token="a")), {}, ())
     without = TextTokenizer(Tokenizer(WordLevel({"a": 0, "b": 1}, unk_token="a")), {}, ())
     assert with_eot.pad_id == 5 and without.pad_id == 0

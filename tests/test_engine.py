@@ -190,3 +190,17 @@ def test_a_step_tells_what_it_did(qwen3_dir):
     with pytest.raises(StepFailed) as failed:
         engine.step()
     assert failed.value.request_ids == [other.request_id] and "injected" in str(failed.value)
+
+
+def test_default_dtype_follows_the_hardware_and_the_environment(monkeypatch):
+    """bfloat16 on CUDA and on CPUs that multiply it natively, float32 on other CPUs;
+    DSPARK_DTYPE overrides either."""
+    import dspark.config as config
+
+    monkeypatch.delenv("DSPARK_DTYPE", raising=False)
+    monkeypatch.setattr(config, "native_bf16_cpu", lambda: False)
+    assert config.default_dtype("cpu") == "float32" and config.default_dtype("cuda:0") == "bfloat16"
+    monkeypatch.setattr(config, "native_bf16_cpu", lambda: True)
+    assert config.default_dtype("cpu") == "bfloat16"
+    monkeypatch.setenv("DSPARK_DTYPE", "float32")
+    assert config.default_dtype("cpu") == "float32" and config.EngineConfig(device="cpu").dtype == "float32"

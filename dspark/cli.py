@@ -20,7 +20,7 @@ import sys
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF-format directory, 'dspark-small' (default) or 'dspark-tiny'")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
-    p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: by device)")
+    p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -44,11 +44,11 @@ class GateConfig:
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
-    optimism: float = 1.0  # standard errors added to the estimates before judging (per request, divided
-    # by R in a batch of R), so a verdict on few observations leans to drafting and the
-    # bonus fades with evidence. At 0, the
-    # README's first command (a fresh engine, one request) closed after two rejected first positions,
-    # where the drafter's first position is accepted about half the time, and never reopened
+    optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
+    # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
+    # evidence. At 0, the README's first command (a fresh engine, one request) closed after two
+    # rejected first positions, where the drafter's first position is accepted about half the
+    # time, and never reopened
 
 
 class Gate:

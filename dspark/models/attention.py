@@ -186,8 +186,8 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
     """Attention of a group's query rows; `mask` is bool in float32 (the fused kernel's), else
-    float32 0 / -inf added to the scores (the same as filling -inf). In reduced precision it is written as two batched
-    matrix products with the softmax in float32, over tiles of query rows: a fused kernel
+    float32 0 / -inf added to the scores (the same as filling -inf). In reduced precision it is
+    written as two batched matrix products with the softmax in float32, over tiles of query rows: a fused kernel
     blocks its work by the number of queries, so a row's result depended on how many rows
     shared its forward (a verify row rounded differently from the plain step it replaces, a
     prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted. Written

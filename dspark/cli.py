@@ -123,8 +123,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
         print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")
-    for r, t in zip(prof.requests, prof.draft_s, strict=True):
-        print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms")
+    shallow = prof.shallow_s or [None] * len(prof.requests)
+    for r, t, one in zip(prof.requests, prof.draft_s, shallow, strict=True):
+        cut = "" if one is None else f"  (one position: {one * 1000:8.2f} ms)"
+        print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms{cut}")
     if args.plot:
         from dspark.spec.profile import plot
 

@@ -140,6 +140,44 @@ def test_baselines_serving_equals_teacher_forced(target, kind):
     assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_causal_block_serving_equals_teacher_forced(target, kind):
+    _, block, logits, conf = serve_vs_train(kind, target, list(range(3, 20)), causal_block=True)
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
+    assert kind == "dflash" or torch.allclose(block.confidence[0], torch.sigmoid(conf[0, 0]), atol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "over"), [("dspark", {"causal_block": True}), ("dflash", {"causal_block": True}),
+                                          ("eagle3", {}), ("dspark", {})])
+def test_a_shallower_proposal_is_the_first_positions_of_the_full_one(target, kind, over):
+    """A drafter that cuts exactly proposes, at depth 3, the full block's first three tokens, distributions
+    and confidences, and marks the rest invalid; a bidirectional block ignores the depth."""
+    d = bound(kind, target, **over)
+    context = list(range(3, 20))
+    with torch.no_grad():
+        _, taps = target.forward_dense(torch.tensor([context]), d.taps)
+    d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
+    inputs = [ProposeInput("r", context[-1], len(context) - 1, context)]
+    rows = SamplingRows.same(1, SamplingParams(temperature=0.0))
+    full, cut = d.propose(inputs, rows), d.propose(inputs, rows, 3)
+    assert d.cuts_exactly == (kind == "eagle3" or bool(over))
+    if not d.cuts_exactly:
+        assert torch.equal(full.tokens, cut.tokens) and cut.num_valid is None
+        return
+    assert cut.tokens.shape == full.tokens.shape and cut.num_valid == [3]
+    assert torch.equal(cut.tokens[:, :3], full.tokens[:, :3]) and torch.equal(cut.probs[:, :3], full.probs[:, :3])
+    assert not cut.probs[:, 3:].any()
+    if full.confidence is not None:
+        assert torch.allclose(cut.confidence[:, :3], full.confidence[:, :3], atol=1e-6) and not cut.confidence[:, 3:].any()
+
+
+def test_causal_block_mask_sees_only_earlier_slots():
+    anchors = torch.tensor([[2, 5]])
+    own = block_mask(anchors, 3, 8, causal=True)[0, 0, :, 8:]
+    tril = torch.ones(3, 3, dtype=torch.bool).tril()
+    assert torch.equal(own[:3, :3], tril) and torch.equal(own[3:, 3:], tril) and not own[:3, 3:].any()
+
+
 def test_block_mask_sees_only_context_before_the_anchor():
     anchors = torch.tensor([[2, 5]])
     mask = block_mask(anchors, 3, 8)[0, 0]  # [A*g, T + A*g]

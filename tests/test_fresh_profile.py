@@ -20,6 +20,7 @@ from dspark.engine.factory import build_engine
 from dspark.engine.profiler import CACHE_ENV
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
+from dspark.spec.profile import StepProfile
 
 KINDS = ["dspark", "dflash", "eagle3", "mtp", "ngram"]
 POLICIES = ["none", "static:3", "threshold:0.3", "dspark", "dspark-async"]
@@ -75,8 +76,13 @@ def test_every_policy_builds_and_generates_without_a_cached_profile(qwen3_dir, d
 def test_profile_command_measures_into_an_empty_cache(qwen3_dir, drafters, kind, tmp_path, monkeypatch, capsys):
     cache = fresh_dir(tmp_path, monkeypatch, kind)
     assert main(["profile", "--model", str(qwen3_dir), "--drafter", drafters[kind], "--device", "cpu"]) == 0
-    assert "draft  R=" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "draft  R=" in out
     assert len(list(cache.glob("*.json"))) == 1
+    # an autoregressive drafter cuts exactly: its one-position proposal is timed too
+    prof = StepProfile.from_json(next(cache.glob("*.json")).read_text())
+    assert bool(prof.shallow_s) == (kind == "eagle3") == ("one position" in out)
+    assert len(prof.shallow_s) in (0, len(prof.requests))
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -361,3 +361,46 @@ def test_two_rejected_first_positions_do_not_end_drafting_on_a_fresh_engine():
         for s in (shared, own):
             s.update([GAMMA], [0])
     assert not Gate(GateConfig(probe_every=1000), shared, prof).should_draft(1, [GAMMA], [own])
+
+
+def half_accepted(rounds: int = 400) -> AcceptanceStats:
+    """Every position accepted half the time: survival 0.5, 0.25, 0.125, ..."""
+    s = AcceptanceStats(GAMMA)
+    for i in range(rounds):
+        s.update([GAMMA], [[0, 1, 2, 4][i % 4]])  # conditional rates 3/4, 2/3, 1/2: falling, like a real drafter
+    return s
+
+
+def loaded_profile(shallow: bool = True) -> StepProfile:
+    """A target that turns compute-bound with the batch, and a drafter whose full block costs four times
+    a one-position proposal for many requests (a causal block), the same for one request."""
+    return StepProfile("test", tokens=[1, 8, 64, 512], verify_s=[0.010, 0.011, 0.030, 0.120], requests=[1, 64],
+                       draft_s=[0.002, 0.040], gamma=GAMMA, shallow_s=[0.002, 0.004] if shallow else [])
+
+
+def test_profile_prices_a_shallower_proposal_between_one_position_and_the_full_block():
+    prof = loaded_profile()
+    assert prof.cuts and prof.draft(64, 1) == pytest.approx(0.004) and prof.draft(64, GAMMA) == pytest.approx(0.040)
+    assert prof.draft(64, 2) == pytest.approx(0.016) and prof.draft(64) == pytest.approx(0.040)
+    flat = loaded_profile(shallow=False)
+    assert not flat.cuts and flat.draft(64, 1) == pytest.approx(0.040)  # not measured: every depth costs a full block
+
+
+def test_gate_drafts_the_whole_block_for_one_request_and_one_position_under_load():
+    gate = Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile())
+    assert gate.should_draft(1, [GAMMA]) and gate.depth == GAMMA
+    gate.memo = None
+    assert gate.should_draft(64, [GAMMA] * 64) and gate.depth == 1
+    # the same drafter priced as one that cannot cut: under load the full block does not pay at all
+    full = Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile(shallow=False))
+    assert not full.should_draft(64, [GAMMA] * 64)
+
+
+def test_a_shallower_block_must_win_by_the_margin():
+    """The deepest block whose rate is within depth_margin of the best is drafted (Algorithm 1 then verifies
+    deep positions of confident requests, which the gate's mean acceptance undervalues)."""
+    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.010, 0.010], requests=[1], draft_s=[0.0100], gamma=GAMMA,
+                       shallow_s=[0.0001])  # rates by depth: 173, 168, 150, 138 tokens/s; plain 100
+    assert Gate(GateConfig(optimism=0.0, depth_margin=0.0), half_accepted(), prof).predict(1, [GAMMA]) == 1
+    assert Gate(GateConfig(optimism=0.0, depth_margin=0.05), half_accepted(), prof).predict(1, [GAMMA]) == 2
+    assert Gate(GateConfig(optimism=0.0, depth_margin=0.5), half_accepted(), prof).predict(1, [GAMMA]) == GAMMA

@@ -164,7 +164,7 @@ class Peeking(RoutedDrafter):
     """A wrong router: it lets the neural drafter draft for everyone, then keeps the neural block
     only where its sampled first token is even (the choice depends on the draft itself)."""
 
-    def propose(self, inputs, rows):
+    def propose(self, inputs, rows, depth=None):
         block = self.copy.propose(inputs, rows)
         self.hand_over([i.seq_id for i in inputs])
         nb = self.neural.propose(inputs, rows)

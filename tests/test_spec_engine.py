@@ -135,7 +135,7 @@ def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, referenc
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = lambda lookahead=None: (slots.append(lookahead), schedule(lookahead))[1]
     propose = engine.runner._propose
-    engine.runner._propose = lambda decode: (sizes.append(len(decode)), propose(decode))[1]
+    engine.runner._propose = lambda decode, depth: (sizes.append(len(decode)), propose(decode, depth))[1]
     outs = run(engine)
     assert [o.token_ids for o in outs] == reference
     assert sizes and max(sizes) == 1 and engine.runner.drafted_steps == len(sizes)
@@ -190,8 +190,8 @@ def test_a_probe_after_a_closed_spell_drafts_from_the_whole_context(qwen3_dir, k
     checked = []
     propose = engine.runner._propose
 
-    def checking(decode):
-        block = propose(decode)
+    def checking(decode, depth=None):
+        block = propose(decode, depth)
         for i, s in enumerate(decode):
             r, n = s.request, s.request.num_computed
             ids = torch.tensor([r.all_ids[:n]])
@@ -231,3 +231,18 @@ def test_the_gate_reads_request_records_of_steady_drafters_only(qwen3_dir, kind,
     run(engine, PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
     assert engine.runner.drafted_steps > 0 and engine.runner.drafter.bursty is not keeps
     assert (max(seen) > 0) is keeps
+
+
+@pytest.mark.parametrize(("kind", "over", "cut"), [("eagle3", {}, True), ("dspark", {"causal_block": True}, True),
+                                                   ("dspark", {}, False)])
+def test_static_k_drafts_k_positions_where_the_drafter_cuts_exactly(qwen3_dir, reference, kind, over, cut):
+    """static:2 never verifies a third position, so a drafter that cuts exactly proposes two (and the output
+    stays plain decoding's); a bidirectional block still runs whole."""
+    cfg = EngineConfig(device="cpu", dtype="float32", block_size=4, max_num_batched_tokens=96)
+    net, tok = load_model(qwen3_dir, dtype=cfg.dtype)
+    torch.manual_seed(0)
+    engine = assemble(net, tok, cfg, drafter=new_drafter(new_config(kind, net.config, 5, **over)), policy="static:2")
+    propose, valid = engine.runner._propose, []
+    engine.runner._propose = lambda decode, depth: (lambda b: (valid.append(b.num_valid), b)[1])(propose(decode, depth))
+    assert [o.token_ids for o in run(engine)] == reference
+    assert valid and all(v == ([2] * len(v) if cut else None) for v in valid)

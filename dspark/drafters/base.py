@@ -63,6 +63,8 @@ class DrafterConfig:
     confidence_markov: bool = True  # the confidence head reads [h_k; W1[x_{k-1}]]; False: h_k alone
     context_residual: bool = False  # every block slot starts from its embedding + W_r H_ctx of the position before
     #                                 the anchor (dspark, dflash): the feature EAGLE-3 feeds its residual stream
+    causal_block: bool = False  # block slots see the slots before them, not after (dspark, dflash): the first k
+    #                             proposals do not depend on how many are drafted, so a step may draft fewer
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
     serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
@@ -89,8 +91,9 @@ class DrafterConfig:
         if self.rope_scaling is not None:
             scaling = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) else self.rope_scaling
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, v) for k, v in scaling)))
-        if self.context_residual and self.kind not in ("dspark", "dflash"):
-            raise ValueError(f"context_residual is a block-backbone option (dspark, dflash), not {self.kind}'s")
+        for name in ("context_residual", "causal_block"):
+            if getattr(self, name) and self.kind not in ("dspark", "dflash"):
+                raise ValueError(f"{name} is a block-backbone option (dspark, dflash), not {self.kind}'s")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 
@@ -173,6 +176,12 @@ class Drafter(ABC):
         return False
 
     @property
+    def cuts_exactly(self) -> bool:
+        """Whether a proposal of depth d < gamma is the first d positions of the full block's, for less
+        (an autoregressive drafter, a causal block): then the gate may draft fewer positions under load."""
+        return False
+
+    @property
     def measured(self) -> Drafter:
         """The drafter whose proposals the step profile times (a router: its neural part)."""
         return self
@@ -187,8 +196,10 @@ class Drafter(ABC):
     def extend(self, rows: Sequence[ContextRow]) -> None: ...
 
     @abstractmethod
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
-        """A draft block for each input; rows holds each request's sampling settings (one row per input)."""
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        """A draft block for each input; rows holds each request's sampling settings (one row per input).
+        depth: positions wanted (None: gamma); a drafter that `cuts_exactly` proposes only those (the
+        block keeps gamma columns, `num_valid` caps the rest), any other may ignore it."""
 
     @abstractmethod
     def free(self, seq_id: str) -> None: ...
@@ -207,6 +218,28 @@ def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | 
     state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
     if state:
         save_file(state, str(out / "model.safetensors"))
+
+
+def depth_of(drafter: Drafter, depth: int | None) -> int:
+    """The positions a proposal computes: depth where the drafter cuts exactly, else gamma."""
+    return min(depth, drafter.gamma) if depth and drafter.cuts_exactly else drafter.gamma
+
+
+def widened(block: DraftBlock, gamma: int) -> DraftBlock:
+    """A block of d < gamma positions as gamma columns: the rest repeat the last token with no draft
+    probability and no confidence, and `num_valid` keeps every request's proposal to d."""
+    r, d = block.tokens.shape
+    if d == gamma:
+        return block
+    pad = gamma - d
+
+    def more(x: torch.Tensor | None, fill: float) -> torch.Tensor | None:
+        return None if x is None else torch.cat([x, x.new_full((r, pad, *x.shape[2:]), fill)], dim=1)
+
+    tokens = torch.cat([block.tokens, block.tokens[:, -1:].expand(r, pad)], dim=1)
+    valid = [d] * r if block.num_valid is None else [min(v, d) for v in block.num_valid]
+    return dataclasses.replace(block, tokens=tokens, probs=more(block.probs, 0.0), confidence=more(block.confidence, 0.0),
+                               confidence_logits=more(block.confidence_logits, -30.0), num_valid=valid)
 
 
 def copied_block(drafts: Sequence[list[int]], anchors: Sequence[int], gamma: int, vocab: int,

@@ -15,7 +15,7 @@ import torch
 
 from dspark.device import upload
 from dspark.drafters.backbone import Backbone
-from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
@@ -66,9 +66,16 @@ class BlockDrafter(NeuralDrafter):
         masks = torch.full((*anchors.shape, slots - 1), self.config.mask_token_id, device=anchors.device)
         return torch.cat([anchors[..., None], masks], dim=-1)
 
+    @property
+    def cuts_exactly(self) -> bool:
+        return self.config.causal_block
+
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
-        g, dev = self.config.slots, self.target.device  # the whole block runs; gamma proposals are kept
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        depth = depth_of(self, depth)
+        first = 0 if self.config.anchor_slot else 1  # DFlash: the anchor's slot predicts nothing
+        # a bidirectional block runs whole and its first gamma proposals are kept; a causal one only as deep as asked
+        g, dev = first + depth if self.config.causal_block else self.config.slots, self.target.device
         for inp in inputs:
             if self.pool.length(inp.seq_id) != inp.context_len:
                 raise RuntimeError(f"drafter context of {inp.seq_id} is out of step with the target")
@@ -76,7 +83,8 @@ class BlockDrafter(NeuralDrafter):
         try:
             meta = AttentionMetadata.build(
                 [g] * len(inputs), [i.context_len + g for i in inputs],
-                [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev, causal=False,
+                [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev,
+                causal=self.config.causal_block,
             )
             anchors = upload([i.anchor for i in inputs], dev)
             x = self.backbone.block_start(self.embed(self.block_inputs(anchors, g)), self.last_context(inputs))
@@ -85,19 +93,19 @@ class BlockDrafter(NeuralDrafter):
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
-        first = 0 if self.config.anchor_slot else 1  # DFlash: the anchor's slot predicts nothing
-        return self.sample_block(hidden[:, first:first + self.gamma], anchors, rows, [i.generator for i in inputs])
+        block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs])
+        return widened(block, self.gamma)
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
             self.head.restrict(ids)
 
     def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
-        """Left-to-right sampling of the block from hidden [R, g, d]."""
-        base = self.lm_head(hidden)  # [R, g, V] (or [R, g, N] over a draft vocabulary)
+        """Left-to-right sampling of the block's positions from hidden [R, depth, d]."""
+        base = self.lm_head(hidden)  # [R, depth, V] (or [R, depth, N] over a draft vocabulary)
         prev, state = anchors, None
         tokens, probs, embs = [], [], []
-        for k in range(self.gamma):
+        for k in range(hidden.shape[1]):
             logits = base[:, k]
             if self.head is not None:
                 bias, emb, state = self.head.step(hidden[:, k], prev, state)
@@ -137,7 +145,7 @@ class BlockDrafter(NeuralDrafter):
         block_pos = anchors[..., None] + offs  # [B, A, g]
         last = tokens.shape[1] - 1
         prev = tokens.gather(1, block_pos.clamp(max=last).flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
-        mask = block_mask(anchors, g, taps.shape[1])
+        mask = block_mask(anchors, g, taps.shape[1], self.config.causal_block)
         h_ctx = self.backbone.context(taps)
         x = self.backbone.block_start(self.embed(self.block_inputs(prev[..., 0])), before_anchor(h_ctx, anchors))
         hidden = self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1)
@@ -160,11 +168,15 @@ def before_anchor(h_ctx: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     return h * (anchors > 0)[..., None].to(h.dtype)
 
 
-def block_mask(anchors: torch.Tensor, gamma: int, ctx_len: int) -> torch.Tensor:
-    """[B, 1, A*g, T + A*g] bool: block a sees context before its anchor and its own block."""
+def block_mask(anchors: torch.Tensor, gamma: int, ctx_len: int, causal: bool = False) -> torch.Tensor:
+    """[B, 1, A*g, T + A*g] bool: block a sees context before its anchor and its own block (causal:
+    only its own slots up to each query's)."""
     b, a = anchors.shape
     dev = anchors.device
     q_block = torch.arange(a, device=dev).repeat_interleave(gamma)  # [A*g]
     ctx = torch.arange(ctx_len, device=dev)[None, None, :] < anchors.repeat_interleave(gamma, 1)[:, :, None]
-    own = (q_block[:, None] == q_block[None, :])[None].expand(b, -1, -1)
-    return torch.cat([ctx, own], dim=-1)[:, None]
+    own = q_block[:, None] == q_block[None, :]
+    if causal:
+        slot = torch.arange(gamma, device=dev).repeat(a)
+        own = own & (slot[None, :] <= slot[:, None])
+    return torch.cat([ctx, own[None].expand(b, -1, -1)], dim=-1)[:, None]

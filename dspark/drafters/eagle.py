@@ -19,7 +19,7 @@ from torch import nn
 
 from dspark.device import upload
 from dspark.drafters.backbone import layer_config
-from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.models.decoder import Attention
@@ -111,8 +111,12 @@ class Eagle3Drafter(NeuralDrafter):
         return super().cache_bytes_in_use() + sum(g.numel() * g.element_size() for _, g in self.last.values())
 
     # ---- drafting -----------------------------------------------------------------------------
+    @property
+    def cuts_exactly(self) -> bool:
+        return True  # autoregressive: position k never reads a later one
+
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         dev = self.target.device
         for i in inputs:
             if i.context_len < 1 or self.pool.length(i.seq_id) != i.context_len - 1:
@@ -123,7 +127,7 @@ class Eagle3Drafter(NeuralDrafter):
         prev = upload([i.anchor for i in inputs], dev)
         gens, tokens, probs = [i.generator for i in inputs], [], []
         try:
-            for k in range(self.gamma):
+            for k in range(depth_of(self, depth)):
                 for i in inputs:
                     self.pool.append(i.seq_id, 1)
                 meta = AttentionMetadata.build([1] * len(inputs), [i.context_len + k for i in inputs],
@@ -137,7 +141,7 @@ class Eagle3Drafter(NeuralDrafter):
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len - 1)
         block = torch.stack(tokens, 1)
-        return DraftBlock(block, self.block_probs(block, probs), None)
+        return widened(DraftBlock(block, self.block_probs(block, probs), None), self.gamma)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("EAGLE-3 checkpoints in the published layout serve only; train dspark's eagle3 drafter")

@@ -80,7 +80,8 @@ class NgramDrafter(Drafter):
             self.index[seq_id] = SuffixIndex(self.config.ngram_max, self.config.ngram_min)
         return self.index[seq_id]
 
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        # a copy costs nothing per position: depth is ignored
         g = self.gamma
         conts = [self._index(i.seq_id).lookup(i.tokens, g) for i in inputs]
         tokens, probs = copied_block(conts, [i.anchor for i in inputs], g, self.vocab_size, self.device)

@@ -124,7 +124,11 @@ class RoutedDrafter(Drafter):
     def cache_bytes_in_use(self) -> int:
         return self.neural.cache_bytes_in_use()
 
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+    @property
+    def cuts_exactly(self) -> bool:
+        return self.neural.cuts_exactly
+
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         block = self.copy.propose(inputs, rows)
         assert block.confidence is not None and block.num_valid is not None
         copy = expected_tokens(block.confidence, block.num_valid)
@@ -136,7 +140,7 @@ class RoutedDrafter(Drafter):
         if chosen:
             picked = [inputs[r] for r in chosen]
             self.hand_over([i.seq_id for i in picked])
-            nb = self.neural.propose(picked, rows.take(chosen))
+            nb = self.neural.propose(picked, rows.take(chosen), depth)
             assert nb.confidence is not None
             sums = expected_tokens(nb.confidence, nb.num_valid or [self.gamma] * len(picked))
             self.learn(picked, sums)

@@ -18,7 +18,7 @@ from torch import nn
 
 from dspark.device import upload
 from dspark.drafters.backbone import layer_config, layer_with_prefix
-from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.models.decoder import DecoderLayer
@@ -71,8 +71,12 @@ class ShiftedDrafter(NeuralDrafter):
         """The paged context entries plus the last feature kept per request."""
         return super().cache_bytes_in_use() + sum(f.numel() * f.element_size() for f in self.last.values())
 
+    @property
+    def cuts_exactly(self) -> bool:
+        return True  # autoregressive: position k never reads a later one
+
     @torch.inference_mode()
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         dev, d = self.target.device, self.config.hidden_size
         feat = torch.stack([self.last[i.seq_id] if i.context_len else torch.zeros(d, device=dev, dtype=self.target.dtype)
                             for i in inputs])
@@ -80,7 +84,7 @@ class ShiftedDrafter(NeuralDrafter):
         gens = [i.generator for i in inputs]
         tokens, probs = [], []
         try:
-            for k in range(self.gamma):
+            for k in range(depth_of(self, depth)):
                 for i in inputs:
                     self.pool.append(i.seq_id, 1)
                 meta = AttentionMetadata.build([1] * len(inputs), [i.context_len + k + 1 for i in inputs],
@@ -95,7 +99,7 @@ class ShiftedDrafter(NeuralDrafter):
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len)
         block = torch.stack(tokens, 1)
-        return DraftBlock(block, self.block_probs(block, probs), None)
+        return widened(DraftBlock(block, self.block_probs(block, probs), None), self.gamma)
 
     # ---- training (training-time test) ------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -207,7 +207,8 @@ class SuffixDrafter(Drafter):
                 break
         seq.proposal = None
 
-    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows) -> DraftBlock:
+    def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        # a copy costs nothing per position: depth is ignored
         g = self.gamma
         drafts, confs = [], []
         for inp in inputs:

@@ -44,6 +44,7 @@ class GateConfig:
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
+    depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
     # evidence. At 0, the README's first command (a fresh engine, one request) closed after two
@@ -71,13 +72,14 @@ class Gate:
         self.wait, self.interval = 0, cfg.probe_every
         self.probing = False
         self.open = True  # the last verdict (slots are reserved for the first step)
-        self.memo: tuple[tuple, int, bool] | None = None  # (key, age in steps, verdict)
+        self.depth: int | None = None  # positions to draft while open (None: the drafter's gamma)
+        self.memo: tuple[tuple, int, int] | None = None  # (key, age in steps, verdict: the depth)
         self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
 
-    def cost(self, r: float, b: int) -> float:
+    def cost(self, r: float, b: int, depth: int | None = None) -> float:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
         assert self.profile is not None
-        return self.profile.cost(r * self.draft_share, b)
+        return self.profile.cost(r * self.draft_share, b, depth)
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
@@ -136,7 +138,8 @@ class Gate:
     def judge(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
         """The verdict for decoding these requests alone, remembered as `open`. When it pays, the
         probe backoff restarts, so that after the next close the gate probes soon again."""
-        self.open = self.pays(num_requests, caps, own)
+        depth = self.pays(num_requests, caps, own)
+        self.open, self.depth = depth > 0, depth or None
         if self.open:
             self.interval = self.cfg.probe_every
         return self.open
@@ -155,7 +158,8 @@ class Gate:
             return list(decode)
         return [decode[(step + i) % len(decode)] for i in range(k)]
 
-    def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
+    def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
+        """The depth to draft at (`predict`), remembered for a few steps; 0: drafting does not pay."""
         key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)))  # records change with version
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
@@ -177,15 +181,26 @@ class Gate:
                 for o in own] if own else [shared] * num_requests
         return torch.tensor(rows, dtype=torch.float64)
 
-    def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
-        """Algorithm 1 on the cautious acceptance estimates: does its best budget beat plain?
-        Until `judge_after` first draft positions were verified there is too little to be cautious
-        about: the estimates are taken at face value (the prior, 0.5 per position, at first), so a
-        drafter that could pay is tried and one that could not even then is not."""
+    def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
+        """Algorithm 1 on the cautious acceptance estimates at each depth the profile can price: the
+        depth whose best budget beats plain decoding by the most (0: none beats it). Until `judge_after`
+        first draft positions were verified there is too little to be cautious about: the estimates are
+        taken at face value (the prior, 0.5 per position, at first), so a drafter that could pay is tried
+        and one that could not even then is not. A shallower block must win by `depth_margin`: the
+        gate prices every request at the mean acceptance, while the policy verifies a confident
+        request's deep positions that the mean undervalues."""
         assert self.profile is not None
+        deepest = max(caps, default=0)
         cands = candidates(self.estimates(num_requests, own), caps)
-        admitted = algorithm1(cands, num_requests, 0, self.cost)
-        gain = sum(c.survival for c in cands[:admitted])
-        spec = (num_requests + gain) / self.cost(num_requests, num_requests + admitted)
         plain = num_requests / self.profile.verify(num_requests)
-        return spec > plain
+        rates = {d: self.rate(num_requests, [c for c in cands if c.position <= d], d)
+                 for d in (range(1, deepest + 1) if self.profile.cuts else [deepest])}
+        best = max(rates.values(), default=0.0)
+        return max((d for d, v in rates.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)), default=0)
+
+    def rate(self, num_requests: int, cands: Sequence, depth: int) -> float:
+        """Expected tokens per second of a step drafting depth positions, the budget chosen by Algorithm 1."""
+        cost = lambda r, b: self.cost(r, b, depth)  # noqa: E731
+        admitted = algorithm1(cands, num_requests, 0, cost)
+        gain = sum(c.survival for c in cands[:admitted])
+        return (num_requests + gain) / cost(num_requests, num_requests + admitted)

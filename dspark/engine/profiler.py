@@ -2,7 +2,8 @@
 
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
-step); drafter proposals are timed for R requests. Contexts are reserved in the real
+step); drafter proposals are timed for R requests, at full depth and, for a drafter that
+cuts exactly, at one position. Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
 per-request state beside its cache (EAGLE-3/MTP's last feature) has it.
@@ -40,7 +41,7 @@ def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, b
     """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
     request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
     raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}")
+           f"{torch.__version__}|depth")  # |depth: profiles older than shallow_s are measured again
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -129,9 +130,9 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
             for sid in ids:
                 pool.free(sid)
 
-    def draft_time(inputs: list[ProposeInput]) -> float:
+    def draft_time(inputs: list[ProposeInput], depth: int | None = None) -> float:
         rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
-        return timed(lambda: drafter.propose(inputs, rows), repeats, base.device)
+        return timed(lambda: drafter.propose(inputs, rows, depth), repeats, base.device)
 
     tokens = grid(budget)
     requests = grid(max_r)
@@ -144,7 +145,10 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             draft_s = [draft_time(inputs[:r]) for r in requests]
+            cuts = drafter.cuts_exactly and gamma > 1
+            shallow_s = [draft_time(inputs[:r], 1) for r in requests] if cuts else []
         finally:
             for sid in ids:
                 drafter.free(sid)
-    return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s)
+    return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s, gamma=gamma,
+                       shallow_s=shallow_s)

@@ -92,14 +92,16 @@ class SpeculativeRunner:
         drafted_ids = {id(s) for s in decode}
         plain = [s for s in scheduled if id(s) not in drafted_ids]
         block, lengths = None, [0] * len(decode)
+        # the gate's depth (None: gamma); a probe drafts the whole block, to learn every position's acceptance
+        depth = self.gate.depth if self.gate is not None and not self.gate.probing else self.policy.deepest
         if decode:
             self.drafter.extend(self.pending.take([s.request for s in decode]))
             caught_up = time.perf_counter()
-            block = self._propose(decode)
+            block = self._propose(decode, depth)
             proposed = time.perf_counter()
             # catch_up: the context committed since the drafter last drafted for these requests
             result.times["catch_up"], result.times["draft"] = caught_up - t0, proposed - caught_up
-            lengths = self._choose(block, caps, other_tokens)
+            lengths = self._choose(block, caps, other_tokens, depth)
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - sum(result.times.values())
         drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
@@ -118,7 +120,7 @@ class SpeculativeRunner:
         if decode and self.gate is not None and block is not None and block.num_drafted is not None:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
-        self._observe(drafted, batch.num_tokens, result, drafting)
+        self._observe(drafted, batch.num_tokens, result, drafting, depth)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------
@@ -126,21 +128,21 @@ class SpeculativeRunner:
     def _decodes(s: ScheduledRequest) -> bool:
         return s.samples and s.num_new_tokens == 1 and bool(s.request.output_ids)
 
-    def _propose(self, decode: Sequence[ScheduledRequest]) -> DraftBlock:
+    def _propose(self, decode: Sequence[ScheduledRequest], depth: int | None) -> DraftBlock:
         reqs = [s.request for s in decode]
         inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids, r.generator) for r in reqs]
-        return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device))
+        return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device), depth)
 
-    def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int) -> list[int]:
+    def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int, depth: int | None) -> list[int]:
         if block.num_valid is not None:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
-        cost = self.profile.cost if self.profile is not None else (lambda r, b: 1.0)
         profile, drafted = self.profile, block.num_drafted
+        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
-            cost = lambda r, b: profile.cost(drafted, b)  # noqa: E731
+            cost = lambda r, b: profile.cost(drafted, b, depth)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -209,7 +211,8 @@ class SpeculativeRunner:
         for s, keep, feat in zip(ordered, keeps, feats, strict=True):
             self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
-    def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool) -> None:
+    def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool,
+                 depth: int | None = None) -> None:
         self.steps += 1
         self.drafted_steps += int(drafted)
         if self.profile is None:
@@ -219,7 +222,7 @@ class SpeculativeRunner:
         # made drafting look twice as costly as it is
         seconds = sum(result.times.values()) - result.times.get("catch_up", 0.0)
         if drafted:
-            self.profile.observe_drafted(num_decode, num_tokens, seconds)
+            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth)
         else:
             self.profile.observe_plain(num_tokens, seconds)
 

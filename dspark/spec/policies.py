@@ -73,6 +73,7 @@ def global_best(survivals: Sequence[float], num_requests: int, other_tokens: int
 class Policy:
     name = "base"
     needs_cost = False
+    deepest: int | None = None  # the most positions it ever verifies (None: any), so no deeper draft is needed
 
     def choose(self, conf: torch.Tensor, caps: Sequence[int], other_tokens: int, cost: CostFn) -> list[int]:
         raise NotImplementedError
@@ -87,7 +88,7 @@ class NoSpeculation(Policy):
 
 class Static(Policy):
     def __init__(self, k: int) -> None:
-        self.k, self.name = k, f"static:{k}"
+        self.k, self.name, self.deepest = k, f"static:{k}", k
 
     def choose(self, conf, caps, other_tokens, cost):
         return [min(self.k, c) for c in caps]

@@ -55,6 +55,9 @@ class StepProfile:
     verify_s: list[float]  # seconds per target forward of B tokens
     requests: list[int] = field(default_factory=lambda: [1])  # grid of R
     draft_s: list[float] = field(default_factory=lambda: [0.0])  # seconds per proposal for R requests
+    gamma: int = 1  # positions of a full proposal (draft_s)
+    shallow_s: list[float] = field(default_factory=list)  # seconds per one-position proposal for R requests
+    #                                                       (a drafter that cuts exactly; empty: every depth costs a full one)
     smoothing: float = 0.05
     verify_scale: float = 1.0  # measured / profiled seconds of plain steps, smoothed: the machine's speed
     spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
@@ -64,22 +67,33 @@ class StepProfile:
         # something else on the machine (noise only ever adds time), so it takes the later value;
         # a noisy one-token point above the two-token one made drafting look free at one request
         self.verify_s, self.draft_s = nondecreasing(self.verify_s), nondecreasing(self.draft_s)
+        self.shallow_s = [min(a, b) for a, b in zip(nondecreasing(self.shallow_s), self.draft_s, strict=False)]
+
+    @property
+    def cuts(self) -> bool:
+        """Whether a shallower proposal is known to cost less (the gate may pick the depth)."""
+        return bool(self.shallow_s) and self.gamma > 1
 
     def verify(self, b: int) -> float:
         return interp(self.tokens, self.verify_s, b) * self.verify_scale
 
-    def draft(self, r: float) -> float:
-        """Seconds of a proposal for r requests; below one request (a router that sends a fraction
-        of its requests to this drafter), one request's proposal in that fraction of the steps."""
+    def draft(self, r: float, depth: int | None = None) -> float:
+        """Seconds of a proposal of depth positions (None: gamma) for r requests, linear in the depth
+        between the one-position and the full proposal; below one request (a router that sends a
+        fraction of its requests to this drafter), one request's proposal in that fraction of the steps."""
         if r <= 0:
             return 0.0
         if r < 1:
-            return r * self.draft(1)
-        return interp(self.requests, self.draft_s, r) * self.verify_scale
+            return r * self.draft(1, depth)
+        full = interp(self.requests, self.draft_s, r)
+        if self.cuts and depth is not None and depth < self.gamma:
+            one = interp(self.requests, self.shallow_s, r)
+            full = one + (full - one) * (max(1, depth) - 1) / (self.gamma - 1)
+        return full * self.verify_scale
 
-    def cost(self, r: float, b: int) -> float:
-        """Seconds of a speculative step: draft for r requests, verify b tokens, accept."""
-        return (self.draft(r) + self.verify(b)) * self.spec_scale
+    def cost(self, r: float, b: int, depth: int | None = None) -> float:
+        """Seconds of a speculative step: draft depth positions for r requests, verify b tokens, accept."""
+        return (self.draft(r, depth) + self.verify(b)) * self.spec_scale
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
@@ -88,9 +102,9 @@ class StepProfile:
         """A whole plain step of b tokens took these seconds."""
         self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
-    def observe_drafted(self, r: int, b: int, seconds: float) -> None:
-        """A whole drafted step (proposal for r requests, b forward tokens) took these seconds."""
-        predicted = self.draft(r) + self.verify(b)
+    def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None) -> None:
+        """A whole drafted step (proposal of depth positions for r requests, b forward tokens) took these seconds."""
+        predicted = self.draft(r, depth) + self.verify(b)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float, clip: float = 10.0) -> float:
@@ -125,7 +139,10 @@ def plot(profile: StepProfile, path: str) -> None:
     a.set_xlabel("tokens in the target forward (B)")
     a.set_ylabel("SPS(B), steps/s")
     a.set_xscale("log")
-    b.plot(profile.requests, [t * 1000 for t in profile.draft_s], marker="o", color="C1")
+    b.plot(profile.requests, [t * 1000 for t in profile.draft_s], marker="o", color="C1", label=f"{profile.gamma} positions")
+    if profile.shallow_s:
+        b.plot(profile.requests, [t * 1000 for t in profile.shallow_s], marker="o", color="C2", label="one position")
+        b.legend()
     b.set_xlabel("requests drafted (R)")
     b.set_ylabel("draft ms")
     b.set_xscale("log")

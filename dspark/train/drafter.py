@@ -50,6 +50,7 @@ class DrafterTrainConfig:
     head: str = ""  # dspark: markov | gated | rnn
     taps: tuple[int, ...] = ()  # target layers the drafter reads (empty: the kind's default)
     context_residual: bool = False  # dspark/dflash: the feature before the anchor into every slot's residual
+    causal_block: bool = False  # dspark/dflash: block slots see only the slots before them (any depth is exact)
     rank: int = 0  # the sequential head's rank (0: 64 for a new drafter, init_from's own otherwise)
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
@@ -110,7 +111,8 @@ def build(cfg: DrafterTrainConfig, loaded=None):
         dcfg = drafter.config
     else:
         extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head,
-                                   "taps": tuple(cfg.taps), "context_residual": cfg.context_residual}.items() if v}
+                                   "taps": tuple(cfg.taps), "context_residual": cfg.context_residual,
+                                   "causal_block": cfg.causal_block}.items() if v}
         if cfg.kind == "dspark":
             extra["rank"] = cfg.rank or 64
         dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
@@ -200,6 +202,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         raise ValueError(f"taps: init_from reads {len(dcfg.taps)} target layers, the config names {len(cfg.taps)}")
     if cfg.context_residual and not dcfg.context_residual:
         drafter = with_context_residual(drafter)
+    if cfg.causal_block and not dcfg.causal_block:  # the same weights, a narrower mask: fine-tune after
+        drafter.config = drafter.config.replace(causal_block=True)
     head, rank = cfg.head or dcfg.head, cfg.rank or dcfg.rank
     if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
         drafter = reheaded(drafter, head, rank)

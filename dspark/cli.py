@@ -73,6 +73,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         per = max(1, args.num_prompts // 3)
         texts = [t for _, t in chat_prompts(args.corpus, "heldout", per)]
+        if len(texts) < 2:
+            raise ValueError(f"no held-out prompts in {args.corpus}: build the corpus first (dspark train corpus "
+                             f"--out {args.corpus}) or name prompts with --prompts FILE.jsonl")
     calibrate(args.model, args.drafter, texts, args.out, args.max_tokens, args.temperature, write=not args.no_write)
     return 0
 

@@ -130,3 +130,11 @@ def test_each_row_reads_the_temperatures_of_its_own_sampling():
     assert torch.allclose(mixed[1], torch.sigmoid(logits[1] / torch.tensor(sampled)))
     assert torch.allclose(mixed[2], torch.sigmoid(logits[2] / torch.tensor(greedy)))
     assert torch.equal(calibrated(logits, (True, True, True), sampled, ()), calibrated(logits, (False,) * 3, sampled, ()))
+
+
+def test_calibrate_without_a_corpus_says_how_to_build_one(tmp_path, capsys):
+    from dspark.cli import main
+
+    missing = tmp_path / "corpus"
+    assert main(["calibrate", "--drafter", str(tmp_path / "d"), "--corpus", str(missing)]) == 2
+    assert f"dspark train corpus --out {missing}" in capsys.readouterr().err

@@ -69,6 +69,16 @@ def test_export_refuses_what_the_formats_cannot_hold(tmp_path):
         export(str(ours), str(TARGET), "deepspec", str(tmp_path / "x"))
 
 
+def test_export_refuses_a_causal_block(tmp_path):
+    from dspark.drafters.formats.deepspec import check_exportable
+    from dspark.drafters.registry import load_drafter
+
+    cfg = load_drafter(str(trained_like(tmp_path, "markov"))).config
+    check_exportable(cfg)
+    with pytest.raises(ValueError, match="causal"):
+        check_exportable(cfg.replace(causal_block=True))
+
+
 def test_eagle3_in_the_published_layout_exports_to_speculators(tmp_path):
     """An original EAGLE-3 checkpoint converted to speculators' eagle3 (what vLLM serves)."""
     target = ROOT / "target_llama"

@@ -86,6 +86,9 @@ def check_exportable(cfg: DrafterConfig) -> None:
                          "predicts x_1 and the full vocabulary")
     if cfg.head == "none":
         raise ValueError("DeepSpec's DSpark requires a sequential head (markov_rank > 0)")
+    if cfg.causal_block:
+        raise ValueError("DeepSpec's DSpark block is bidirectional: this drafter was trained with a causal block "
+                         "(causal_block), which that format (and the servers reading it) cannot express")
     if cfg.context_residual:
         raise ValueError("DeepSpec's DSpark has no context_residual projection: this drafter reads the feature "
                          "before the anchor into its block, which that format (and the servers reading it) cannot")

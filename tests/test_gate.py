@@ -387,13 +387,15 @@ def test_profile_prices_a_shallower_proposal_between_one_position_and_the_full_b
 
 
 def test_gate_drafts_the_whole_block_for_one_request_and_one_position_under_load():
-    gate = Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile())
+    gate = Gate(GateConfig(optimism=0.0, cut=True), half_accepted(), loaded_profile())
     assert gate.should_draft(1, [GAMMA]) and gate.depth == GAMMA
     gate.memo = None
     assert gate.should_draft(64, [GAMMA] * 64) and gate.depth == 1
-    # the same drafter priced as one that cannot cut: under load the full block does not pay at all
-    full = Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile(shallow=False))
-    assert not full.should_draft(64, [GAMMA] * 64)
+    # the same drafter priced as one that cannot cut, or a gate that does not cut (the default): under load the
+    # full block does not pay at all
+    for gate in (Gate(GateConfig(optimism=0.0, cut=True), half_accepted(), loaded_profile(shallow=False)),
+                 Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile())):
+        assert not gate.should_draft(64, [GAMMA] * 64)
 
 
 def test_a_shallower_block_must_win_by_the_margin():
@@ -401,6 +403,5 @@ def test_a_shallower_block_must_win_by_the_margin():
     deep positions of confident requests, which the gate's mean acceptance undervalues)."""
     prof = StepProfile("test", tokens=[1, 8], verify_s=[0.010, 0.010], requests=[1], draft_s=[0.0100], gamma=GAMMA,
                        shallow_s=[0.0001])  # rates by depth: 173, 168, 150, 138 tokens/s; plain 100
-    assert Gate(GateConfig(optimism=0.0, depth_margin=0.0), half_accepted(), prof).predict(1, [GAMMA]) == 1
-    assert Gate(GateConfig(optimism=0.0, depth_margin=0.05), half_accepted(), prof).predict(1, [GAMMA]) == 2
-    assert Gate(GateConfig(optimism=0.0, depth_margin=0.5), half_accepted(), prof).predict(1, [GAMMA]) == GAMMA
+    for margin, depth in ((0.0, 1), (0.05, 2), (0.5, GAMMA)):
+        assert Gate(GateConfig(optimism=0.0, cut=True, depth_margin=margin), half_accepted(), prof).predict(1, [GAMMA]) == depth

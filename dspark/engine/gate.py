@@ -44,6 +44,10 @@ class GateConfig:
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
+    cut: bool = False  # pick the depth too (drafters that cut exactly, profiles that price it). Off: on dspark-small
+    # it opened the gate at one or two positions where the full block kept it closed, and lost to plain decoding at
+    # 16 requests (mixed 0.954x, hostile 0.906x; docs/results/online/gate-depth/): the gate's step model, decoding
+    # requests alone, misses what the engine really pays around a drafted step under load
     depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
@@ -182,7 +186,7 @@ class Gate:
         return torch.tensor(rows, dtype=torch.float64)
 
     def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
-        """Algorithm 1 on the cautious acceptance estimates at each depth the profile can price: the
+        """Algorithm 1 on the cautious acceptance estimates at each depth the profile can price (with `cut`): the
         depth whose best budget beats plain decoding by the most (0: none beats it). Until `judge_after`
         first draft positions were verified there is too little to be cautious about: the estimates are
         taken at face value (the prior, 0.5 per position, at first), so a drafter that could pay is tried
@@ -194,7 +198,7 @@ class Gate:
         cands = candidates(self.estimates(num_requests, own), caps)
         plain = num_requests / self.profile.verify(num_requests)
         rates = {d: self.rate(num_requests, [c for c in cands if c.position <= d], d)
-                 for d in (range(1, deepest + 1) if self.profile.cuts else [deepest])}
+                 for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest])}
         best = max(rates.values(), default=0.0)
         return max((d for d, v in rates.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)), default=0)
 

@@ -65,7 +65,7 @@ def test_auto_and_dspark_plus_suffix_load(qwen3_dir):
         load_drafter("auto", qwen3_dir, net.config)
     path = qwen3_dir / "dspark-random-route"
     torch.manual_seed(0)
-    neural = new_drafter(new_config("dspark", net.config))
+    neural = new_drafter(new_config("dspark", net.config, causal_block=True))  # as the shipped one
     save_drafter(neural, neural.config, path)
     for name in (f"{path}+suffix", f"suffix+{path}"):
         d = load_drafter(name, qwen3_dir, net.config)

@@ -91,8 +91,8 @@ class DrafterConfig:
         if self.rope_scaling is not None:
             scaling = self.rope_scaling.items() if isinstance(self.rope_scaling, dict) else self.rope_scaling
             object.__setattr__(self, "rope_scaling", tuple(sorted((k, v) for k, v in scaling)))
-        for name in ("context_residual", "causal_block"):
-            if getattr(self, name) and self.kind not in ("dspark", "dflash"):
+        for name in ("context_residual", "causal_block"):  # auto: the router's copy of its neural drafter's config
+            if getattr(self, name) and self.kind not in ("dspark", "dflash", "auto"):
                 raise ValueError(f"{name} is a block-backbone option (dspark, dflash), not {self.kind}'s")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")

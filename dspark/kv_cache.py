@@ -91,7 +91,7 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
 
 
 class PagedKVCache:
-    """Per-layer K/V tensors [num_blocks * block_size, Hkv, D] plus their BlockPool.
+    """Per-layer K/V tensors [Hkv, num_blocks * block_size, D] (head-major) plus their BlockPool.
 
     `cfg` gives the layer count and K/V shape; drafters pass their own (smaller) config.
     """
@@ -100,7 +100,7 @@ class PagedKVCache:
                  device: torch.device | str, dtype: torch.dtype) -> None:
         self.pool = BlockPool(num_blocks, block_size)
         slots = num_blocks * block_size
-        shape = (slots, cfg.num_key_value_heads, cfg.head_dim)
+        shape = (cfg.num_key_value_heads, slots, cfg.head_dim)  # head-major: a head's context gathers contiguous
         self.layers = [
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
             for _ in range(cfg.num_hidden_layers)

@@ -213,7 +213,7 @@ def test_cached_context_kv_equals_recomputed(target):
     for c1, c2 in zip(d1.cache.layers, d2.cache.layers, strict=True):
         s1 = torch.tensor(d1.pool.slots("r", 0, len(ids)))
         s2 = torch.tensor(d2.pool.slots("r", 0, len(ids)))
-        assert torch.allclose(c1[0][s1], c2[0][s2], atol=1e-6) and torch.allclose(c1[1][s1], c2[1][s2], atol=1e-6)
+        assert torch.allclose(c1[0][:, s1], c2[0][:, s2], atol=1e-6) and torch.allclose(c1[1][:, s1], c2[1][:, s2], atol=1e-6)
 
 
 def test_loss_terms_on_hand_made_distributions():

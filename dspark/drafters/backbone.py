@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from dspark.config import ModelConfig
 from dspark.drafters.base import DrafterConfig
-from dspark.models.attention import AttentionMetadata
+from dspark.models.attention import AttentionMetadata, write_kv
 from dspark.models.decoder import DecoderLayer, KVLayer
 from dspark.models.layers import RMSNorm, Rotary, apply_rope
 
@@ -75,9 +75,7 @@ class Backbone(nn.Module):
         """Project H_ctx [N, d] at positions [N] into every layer's cache slots [N]."""
         cos, sin = self.rotary.cos_sin(positions, h_ctx.dtype)
         for layer, (kc, vc) in zip(self.layers, cache, strict=True):
-            k, v = self.context_kv(layer, h_ctx, cos, sin)
-            kc[slots] = k
-            vc[slots] = v
+            write_kv(kc, vc, slots, *self.context_kv(layer, h_ctx, cos, sin))
 
     def forward_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer]) -> torch.Tensor:
         """Block embeddings x [N, d] (non-causal meta) -> final-normed hidden [N, d]."""

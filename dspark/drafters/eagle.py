@@ -21,7 +21,7 @@ from dspark.device import upload
 from dspark.drafters.backbone import layer_config
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.neural import NeuralDrafter
-from dspark.models.attention import AttentionMetadata
+from dspark.models.attention import AttentionMetadata, write_kv
 from dspark.models.decoder import Attention
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU
 from dspark.sampling import SamplingRows
@@ -98,9 +98,7 @@ class Eagle3Drafter(NeuralDrafter):
         cos, sin = self.rotary.cos_sin(pos, self.target.dtype)
         x, _ = self.layer.inputs(self.embed(torch.cat(embs)), torch.cat(gs))
         _, k, v = self.layer.self_attn.qkv(x, cos, sin)
-        kc, vc = self.cache.layers[0]
-        idx = upload(slots, dev)
-        kc[idx], vc[idx] = k, v
+        write_kv(*self.cache.layers[0], upload(slots, dev), k, v)
 
     def free(self, seq_id: str) -> None:
         super().free(seq_id)

@@ -20,7 +20,7 @@ from dspark.device import upload
 from dspark.drafters.backbone import layer_config, layer_with_prefix
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.neural import NeuralDrafter
-from dspark.models.attention import AttentionMetadata
+from dspark.models.attention import AttentionMetadata, write_kv
 from dspark.models.decoder import DecoderLayer
 from dspark.models.layers import RMSNorm, Rotary
 from dspark.sampling import SamplingRows
@@ -60,8 +60,7 @@ class ShiftedDrafter(NeuralDrafter):
         slots, positions = self.slots_and_positions(rows)
         cos, sin = self.rotary.cos_sin(positions, z.dtype)
         _, k, v = self.layer.self_attn.qkv(self.layer.input_layernorm(z), cos, sin)
-        kc, vc = self.cache.layers[0]
-        kc[slots], vc[slots] = k, v
+        write_kv(*self.cache.layers[0], slots, k, v)
 
     def free(self, seq_id: str) -> None:
         super().free(seq_id)

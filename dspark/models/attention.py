@@ -156,62 +156,74 @@ def paged_attention(
     q: torch.Tensor,  # [N, H, D]
     k: torch.Tensor,  # [N, Hkv, D]
     v: torch.Tensor,  # [N, Hkv, D]
-    k_cache: torch.Tensor,  # [num_slots, Hkv, D]
-    v_cache: torch.Tensor,  # [num_slots, Hkv, D]
+    k_cache: torch.Tensor,  # [Hkv, num_slots, D]
+    v_cache: torch.Tensor,  # [Hkv, num_slots, D]
     meta: AttentionMetadata,
 ) -> torch.Tensor:  # [N, H, D]
     """Write the new K/V into their slots, then attend each request to its own context."""
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     outs = [group_attention(q, k_cache, v_cache, g, meta.block_size) for g in meta.groups]
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out if meta.order is None else out[meta.order]
 
 
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Store the K/V [N, Hkv, D] of N tokens into their cache slots [N] (caches [Hkv, num_slots, D])."""
+    k_cache[:, slots] = k.transpose(0, 1)
+    v_cache[:, slots] = v.transpose(0, 1)
+
+
 def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
                     block_size: int) -> torch.Tensor:
-    """One group's queries (flat q [N, H, D]) against their contexts -> [n, H, D], group order."""
-    heads, kv_heads = q.shape[1], k_cache.shape[1]
+    """One group's queries (flat q [N, H, D]) against their contexts -> [n, H, D], group order.
+
+    Each KV head attends on its own, to its context gathered contiguous from the head-major cache:
+    batched products over [R, Hkv] of a slot-major cache first copied the whole context into
+    head-major order (K twice: once transposed) in every layer, most of a decode step's attention."""
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
     rep = heads // kv_heads
     r, nq = group.query_index.shape
-    qp = (q[: r * nq].view(r, nq, *q.shape[1:]) if group.dense else q[group.query_index]).transpose(1, 2)  # [R, H, Q, D]
-    kp, vp = context_kv(k_cache, group, block_size), context_kv(v_cache, group, block_size)  # [R, Hkv, K, D]
+    qp = q[: r * nq].view(r, nq, *q.shape[1:]) if group.dense else q[group.query_index]  # [R, Q, H, D]
     d = qp.shape[-1]
-    qp = qp.reshape(r, kv_heads, rep * nq, d)  # GQA without copying K/V: each KV head's query group on the query axis
-    out = _attend(qp, kp, vp, group.grid_mask(rep, additive=q.dtype != torch.float32))  # [R, Hkv, rep*Q, D]
-    out = out.reshape(r, heads, nq, d).transpose(1, 2).reshape(r * nq, heads, d)
+    # GQA without copying K/V: each KV head's query group on the query axis [R, Hkv, rep*Q, D]
+    qp = qp.view(r, nq, kv_heads, rep, d).permute(0, 2, 3, 1, 4).reshape(r, kv_heads, rep * nq, d)
+    mask = group.grid_mask(rep, additive=q.dtype != torch.float32)[:, 0]  # [R, rep*Q, K]
+    out = torch.stack([_attend(qp[:, h], context_kv(k_cache[h], group, block_size),
+                               context_kv(v_cache[h], group, block_size), mask) for h in range(kv_heads)], dim=1)
+    out = out.view(r, kv_heads, rep, nq, d).permute(0, 3, 1, 2, 4).reshape(r * nq, heads, d)  # [R*Q, H, D]
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
     return out if group.dense else out[group.query_rows]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
-    """Attention of a group's query rows; `mask` is bool in float32 (the fused kernel's), else
-    float32 0 / -inf added to the scores (the same as filling -inf). In reduced precision it is
-    written as two batched matrix products with the softmax in float32, over tiles of query rows: a fused kernel
-    blocks its work by the number of queries, so a row's result depended on how many rows
-    shared its forward (a verify row rounded differently from the plain step it replaces, a
-    prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted. Written
-    out, every row is computed the same way whatever the others are; tiles bound the scores
+    """One KV head's attention: q [R, M, D] against k, v [R, K, D] -> [R, M, D]. `mask` [R, M, K] is bool
+    in float32 (the fused kernel's), else float32 0 / -inf added to the scores (the same as filling -inf).
+    In reduced precision it is written as two batched matrix products with the softmax in float32, over
+    tiles of query rows: a fused kernel blocks its work by the number of queries, so a row's result
+    depended on how many rows shared its forward (a verify row rounded differently from the plain step
+    it replaces, a prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted.
+    Written out, every row is computed the same way whatever the others are; tiles bound the scores
     held at once."""
     if q.dtype == torch.float32:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask[:, None])[:, 0]
     scale, kt = q.shape[-1] ** -0.5, k.transpose(-1, -2)
     outs = []
     for i in range(0, q.shape[-2], tile):
-        scores = torch.matmul(q[..., i : i + tile, :], kt).float() * scale
-        probs = torch.softmax(scores + mask[..., i : i + tile, :], dim=-1)
-        outs.append(torch.matmul(probs.to(v.dtype), v))
+        scores = torch.bmm(q[:, i : i + tile], kt).float() * scale
+        probs = torch.softmax(scores + mask[:, i : i + tile], dim=-1)
+        outs.append(torch.bmm(probs.to(v.dtype), v))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
 
 
 def context_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
-    """[num_slots, Hkv, D] -> each request's context [R, Hkv, K, D], gathered whole blocks at a
-    time (a block is one contiguous copy: at 64 requests this halves the gather's cost against
-    indexing every slot)."""
+    """One KV head's cache [num_slots, D] -> each request's context [R, K, D], contiguous, gathered whole
+    blocks at a time (a block is one contiguous copy: at 64 requests this halves the gather's cost
+    against indexing every slot)."""
     r, width = group.kv_blocks.shape
-    blocks = cache.view(-1, block_size, *cache.shape[1:])  # [num_blocks, block_size, Hkv, D]
-    picked = blocks.index_select(0, group.kv_blocks.flatten())  # [R*B, block_size, Hkv, D]
-    return picked.view(r, width * block_size, *cache.shape[1:]).transpose(1, 2)
+    blocks = cache.view(-1, block_size, cache.shape[-1])  # [num_blocks, block_size, D]
+    picked = blocks.index_select(0, group.kv_blocks.flatten())  # [R*B, block_size, D]
+    return picked.view(r, width * block_size, cache.shape[-1])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

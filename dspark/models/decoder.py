@@ -24,7 +24,7 @@ from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 
-KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [num_slots, Hkv, D]
+KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
 
 
 @dataclass

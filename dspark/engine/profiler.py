@@ -29,6 +29,8 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
+REVISION = "head-major"  # changed whenever what a profile measures changes (its grids, or the engine's step
+# costs, such as the cache layout): a profile cached by an older version is measured again
 
 
 def cache_dir() -> Path:
@@ -41,7 +43,7 @@ def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, b
     """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
     request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
     raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}|depth")  # |depth: profiles older than shallow_s are measured again
+           f"{torch.__version__}|{REVISION}")
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

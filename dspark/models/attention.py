@@ -111,8 +111,13 @@ class AttentionMetadata:
 
 
 def query_bucket(num_queries: int) -> int:
-    """Requests in one bucket share a padded grid: every query length up to SHORT_QUERY, then
-    (16, 32], (32, 64], ...: padding at most doubles a bucket's queries."""
+    """Requests in one bucket share a padded grid: one-token decode rows, verify rows of up to
+    SHORT_QUERY tokens, then (16, 32], (32, 64], ...: padding at most doubles a bucket's queries.
+    Decode rows keep their own grid: padded to the verify rows beside them (a probe drafting for two
+    of 64 requests, a policy verifying a few requests' drafts), every request's attention cost a
+    verify row's, and such a step cost about what drafting for all of them did."""
+    if num_queries == 1:
+        return -1
     return 0 if num_queries <= SHORT_QUERY else (num_queries - 1).bit_length()
 
 

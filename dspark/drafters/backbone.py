@@ -63,8 +63,8 @@ class Backbone(nn.Module):
         """H_ctx [..., d] -> K [..., Hkv, D] (k-norm, RoPE at the context positions), V."""
         attn = layer.self_attn
         lead = h_ctx.shape[:-1]
-        k = attn.k_proj(h_ctx).view(*lead, attn.kv_heads, attn.head_dim)
-        v = attn.v_proj(h_ctx).view(*lead, attn.kv_heads, attn.head_dim)
+        k, v = attn.project(h_ctx, first=1)
+        k, v = k.view(*lead, attn.kv_heads, attn.head_dim), v.view(*lead, attn.kv_heads, attn.head_dim)
         if attn.qk_norm:
             k = attn.k_norm(k)
         return apply_rope(k, cos, sin), v

@@ -212,10 +212,12 @@ def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | 
     """config.json + model.safetensors (only the drafter's own weights)."""
     from safetensors.torch import save_file
 
+    from dspark.models.fused import owned
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(config.to_json())
-    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    state = {k: owned(v.detach()) for k, v in module.state_dict().items()}
     if state:
         save_file(state, str(out / "model.safetensors"))
 

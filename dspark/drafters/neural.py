@@ -25,6 +25,7 @@ from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
 from dspark.kv_cache import PagedKVCache
 from dspark.models.decoder import CausalLM
+from dspark.models.fused import fuse_projections
 from dspark.sampling import SamplingRows, probabilities, sample
 
 
@@ -122,6 +123,7 @@ class NeuralDrafter(nn.Module, Drafter):
         check_compatible(self.config, target)
         self._target = [target]
         self.to(device=target.device, dtype=target.dtype)
+        fuse_projections(self)
         if self.config.draft_vocab:
             self.restrict_vocab(self.config.draft_vocab)
         from dspark.drafters.backbone import layer_config

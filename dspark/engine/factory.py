@@ -29,6 +29,7 @@ from dspark.engine.runner import ModelRunner, Runner
 from dspark.engine.speculative import SpeculativeRunner
 from dspark.kv_cache import PagedKVCache
 from dspark.models.decoder import CausalLM
+from dspark.models.fused import fuse_projections
 from dspark.models.loader import BUILTIN_MODELS, load_model, resolve_model_path
 from dspark.models.tokenizer import TextTokenizer
 from dspark.spec.policies import NoSpeculation, make_policy
@@ -53,6 +54,7 @@ def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, draft
     else:
         kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
     chosen = make_policy(policy)
+    fuse_projections(model)
     runner: Runner = ModelRunner(model, kv)
     if drafter is not None and not isinstance(chosen, NoSpeculation):
         drafter.bind(model, kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)

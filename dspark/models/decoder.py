@@ -22,6 +22,7 @@ from torch import nn
 
 from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
+from dspark.models.fused import Fused
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
@@ -47,13 +48,25 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.fused: Fused | None = None  # q, k and v as one product (`fuse_projections`)
+
+    def fuse_projections(self) -> None:
+        if self.fused is None or not self.fused.usable():
+            self.fused = Fused(self.q_proj, self.k_proj, self.v_proj)
+
+    def project(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
+        """(q, k, v) projections of x, or (k, v) from first = 1; one product where fused."""
+        if self.fused is not None and self.fused.usable():
+            return self.fused(x, first)
+        return tuple(p(x) for p in (self.q_proj, self.k_proj, self.v_proj)[first:])
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., d] -> q [..., H, D], k/v [..., Hkv, D] with q/k-norm and RoPE applied."""
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.kv_heads, self.head_dim)
+        q, k, v = self.project(x)
+        q = q.view(*lead, self.heads, self.head_dim)
+        k = k.view(*lead, self.kv_heads, self.head_dim)
+        v = v.view(*lead, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dspark.models.fused import Fused
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as the reference implementations do."""
@@ -35,9 +37,18 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.fused: Fused | None = None  # gate and up as one product (`fuse_projections`)
+
+    def fuse_projections(self) -> None:
+        if self.fused is None or not self.fused.usable():
+            self.fused = Fused(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused is not None and self.fused.usable():
+            gate, up = self.fused(x)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from dspark.config import ModelConfig, resolve_dtype
 from dspark.models.decoder import CausalLM
+from dspark.models.fused import owned
 from dspark.models.tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -93,7 +94,7 @@ def save_model(net: CausalLM, out_dir: str | Path, dtype: str = "bfloat16",
     out.mkdir(parents=True, exist_ok=True)
     cfg = net.config
     (out / "config.json").write_text(json.dumps(cfg.to_hf(dtype), indent=2))
-    state = {k: v.detach().to(resolve_dtype(dtype)).contiguous() for k, v in net.state_dict().items()}
+    state = {k: owned(v.detach().to(resolve_dtype(dtype))) for k, v in net.state_dict().items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})

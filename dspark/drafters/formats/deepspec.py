@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from dspark.config import ModelConfig
 from dspark.drafters.base import DrafterConfig
 from dspark.drafters.formats.common import fit_target, layer_fields, mismatch, rename, taps
+from dspark.models.fused import owned
 
 HEADS = {"vanilla": "markov", "gated": "gated", "rnn": "rnn"}
 RULES = (("fc.", "backbone.fc."), ("hidden_norm.", "backbone.ctx_norm."), ("layers.", "backbone.layers."),
@@ -123,6 +124,6 @@ def save(out_dir: Path, raw: dict[str, Any], state: dict[str, torch.Tensor]) -> 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    save_file({k: v.float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in state.items()},
+    save_file({k: owned(v.float() if v.is_floating_point() else v) for k, v in state.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -1,0 +1,100 @@
+"""Fused projections (`dspark/models/fused.py`): one product gives what the separate layers give,
+the parameters stay the layers' own (checkpoints, loading, training unchanged), and the fused
+path steps aside under autograd and after the weights move."""
+
+from __future__ import annotations
+
+import torch
+
+from dspark.config import ModelConfig
+from dspark.engine.factory import build_engine
+from dspark.models.decoder import Attention, CausalLM
+from dspark.models.fused import fuse_projections
+from dspark.models.layers import SwiGLU
+from dspark.models.loader import load_target, save_model
+
+
+def tiny_config(bias: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, attention_bias=bias)
+
+
+def separate(attn: Attention, x: torch.Tensor) -> list[torch.Tensor]:
+    return [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+
+
+def test_fused_attention_projections_match_the_separate_layers():
+    for bias in (False, True):
+        torch.manual_seed(0)
+        attn, x = Attention(tiny_config(bias)), torch.randn(5, 32)
+        with torch.no_grad():
+            want = separate(attn, x)
+            attn.fuse_projections()
+            assert attn.fused is not None and attn.fused.usable()
+            got = attn.project(x)
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w)
+            for g, w in zip(attn.project(x, first=1), want[1:], strict=True):  # k and v alone
+                torch.testing.assert_close(g, w)
+
+
+def test_fused_mlp_matches_the_separate_layers():
+    torch.manual_seed(0)
+    mlp, x = SwiGLU(32, 48), torch.randn(3, 32)
+    with torch.no_grad():
+        want = mlp(x)
+        mlp.fuse_projections()
+        torch.testing.assert_close(mlp(x), want)
+
+
+def test_fusing_keeps_the_parameters_and_loading_reaches_the_fused_product():
+    torch.manual_seed(0)
+    net = CausalLM(tiny_config())
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    fuse_projections(net)
+    after = net.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    torch.manual_seed(1)
+    other = CausalLM(tiny_config())
+    net.load_state_dict(other.state_dict())  # in place: the fused weights see the new values
+    attn, x = net.model.layers[0].self_attn, torch.randn(2, 32)
+    with torch.no_grad():
+        assert attn.fused is not None and attn.fused.usable()
+        for g, w in zip(attn.project(x), separate(other.model.layers[0].self_attn, x), strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def test_gradients_reach_the_layers_and_moved_weights_turn_fusion_off():
+    torch.manual_seed(0)
+    attn, x = Attention(tiny_config()), torch.randn(4, 32)
+    attn.fuse_projections()
+    sum(p.sum() for p in attn.project(x)).backward()  # autograd on: the separate layers run
+    assert attn.q_proj.weight.grad is not None and attn.v_proj.weight.grad is not None
+    attn.to(torch.float64)  # each layer gets new storage: the stacked copy is stale
+    assert attn.fused is not None and not attn.fused.usable()
+    with torch.no_grad():
+        for g, w in zip(attn.project(x.double()), separate(attn, x.double()), strict=True):
+            torch.testing.assert_close(g, w)
+
+
+def test_a_fused_model_saves_and_loads(tmp_path):
+    torch.manual_seed(0)
+    net = CausalLM(tiny_config())
+    fuse_projections(net)
+    save_model(net, tmp_path, dtype="float32")  # safetensors refuses tensors that share storage
+    back = load_target(tmp_path)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in net.state_dict().items())
+
+
+def test_the_engine_fuses_the_target_and_its_hidden_states_stay(qwen3_dir):
+    engine = build_engine(qwen3_dir, policy="none", profile="off")
+    layers = engine.model.model.layers
+    assert all(layer.self_attn.fused is not None and layer.mlp.fused is not None for layer in layers)
+    ids = engine.encode_prompt("The quick brown fox")
+    with torch.no_grad():
+        fused = engine.model.forward_dense(torch.tensor([ids]))[0]
+        for layer in layers:
+            layer.self_attn.fused = layer.mlp.fused = None
+        apart = engine.model.forward_dense(torch.tensor([ids]))[0]
+    torch.testing.assert_close(fused, apart)

@@ -4,10 +4,12 @@ path steps aside under autograd and after the weights move."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dspark.config import ModelConfig
 from dspark.engine.factory import build_engine
+from dspark.models import fused as fused_module
 from dspark.models.decoder import Attention, CausalLM
 from dspark.models.fused import fuse_projections
 from dspark.models.layers import SwiGLU
@@ -98,3 +100,21 @@ def test_the_engine_fuses_the_target_and_its_hidden_states_stay(qwen3_dir):
             layer.self_attn.fused = layer.mlp.fused = None
         apart = engine.model.forward_dense(torch.tensor([ids]))[0]
     torch.testing.assert_close(fused, apart)
+
+
+def test_the_blocked_bfloat16_product_follows_the_weights():
+    if not fused_module.packable(torch.ones(1, dtype=torch.bfloat16)):
+        pytest.skip("no oneDNN bfloat16 on this CPU build")
+    torch.manual_seed(0)
+    net = CausalLM(tiny_config()).to(torch.bfloat16)
+    fuse_projections(net)
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    attn = net.model.layers[0].self_attn
+    with torch.no_grad():
+        for g, w in zip(attn.project(x), separate(attn, x), strict=True):
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+        net.load_state_dict(CausalLM(tiny_config()).to(torch.bfloat16).state_dict())  # in place: re-blocked
+        for g, w in zip(attn.project(x), separate(attn, x), strict=True):
+            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+        head = net.logits(x)
+        torch.testing.assert_close(head, net.lm_head(net.model.norm(x)).float(), atol=2e-2, rtol=2e-2)

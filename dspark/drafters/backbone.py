@@ -110,5 +110,5 @@ def layer_with_prefix(layer: DecoderLayer, x: torch.Tensor, cos, sin, prefix_k: 
         q.transpose(1, 2), keys.transpose(1, 2).repeat_interleave(rep, 1),
         values.transpose(1, 2).repeat_interleave(rep, 1), attn_mask=mask,
     ).transpose(1, 2)
-    x = x + attn.o_proj(out.flatten(-2))
+    x = x + attn.output(out)
     return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
-from dspark.models.fused import Fused
+from dspark.models.fused import Fused, through
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
@@ -49,10 +49,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.fused: Fused | None = None  # q, k and v as one product (`fuse_projections`)
+        self.fused_out: Fused | None = None  # o_proj's product
 
     def fuse_projections(self) -> None:
         if self.fused is None or not self.fused.usable():
             self.fused = Fused(self.q_proj, self.k_proj, self.v_proj)
+        if self.fused_out is None or not self.fused_out.usable():
+            self.fused_out = Fused(self.o_proj)
+
+    def output(self, heads: torch.Tensor) -> torch.Tensor:
+        """o_proj over the heads flattened: [..., H, D] -> [..., d]."""
+        return through(self.fused_out, self.o_proj, heads.flatten(-2))
 
     def project(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
         """(q, k, v) projections of x, or (k, v) from first = 1; one product where fused."""
@@ -78,7 +85,7 @@ class Attention(nn.Module):
         else:
             assert kv is not None, "the flat path needs a KV cache"
             out = paged_attention(q, k, v, kv[0], kv[1], meta)
-        return self.o_proj(out.flatten(-2))
+        return self.output(out)
 
 
 class DecoderLayer(nn.Module):
@@ -113,6 +120,12 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.fused_head: Fused | None = None  # lm_head's product (`fuse_projections`)
+
+    def fuse_projections(self) -> None:
+        """The LM head's product (the layers fuse their own: `models/fused.py`)."""
+        if self.fused_head is None or not self.fused_head.usable():
+            self.fused_head = Fused(self.lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -157,4 +170,4 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """LM head in float32 (sampling and verification compare probabilities exactly)."""
         h = hidden if normed else self.model.norm(hidden)
-        return self.lm_head(h).float()
+        return through(self.fused_head, self.lm_head, h).float()

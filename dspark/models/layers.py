@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dspark.models.fused import Fused
+from dspark.models.fused import Fused, through
 
 
 class RMSNorm(nn.Module):
@@ -38,17 +38,20 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
         self.fused: Fused | None = None  # gate and up as one product (`fuse_projections`)
+        self.fused_down: Fused | None = None  # down_proj's product
 
     def fuse_projections(self) -> None:
         if self.fused is None or not self.fused.usable():
             self.fused = Fused(self.gate_proj, self.up_proj)
+        if self.fused_down is None or not self.fused_down.usable():
+            self.fused_down = Fused(self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused is not None and self.fused.usable():
             gate, up = self.fused(x)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return through(self.fused_down, self.down_proj, F.silu(gate) * up)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dspark.device import upload
+from dspark.models.fused import Product
 
 
 class SequentialHead(nn.Module):
@@ -32,15 +32,16 @@ class SequentialHead(nn.Module):
         elif kind == "rnn":
             self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
         self.rank = rank
-        self.rows: torch.Tensor | None = None  # W2's rows for a draft vocabulary (serving), or None
+        self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
 
     def restrict(self, ids: torch.Tensor | None) -> None:
         """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
-        self.rows = None if ids is None else self.w2.weight[ids].contiguous()
+        rows = None if ids is None else self.w2.weight.detach()[ids].contiguous()
+        self.rows = None if rows is None else Product(rows, None, [rows])
 
     def out(self, x: torch.Tensor) -> torch.Tensor:
         """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""
-        return self.w2(x) if self.rows is None else F.linear(x, self.rows)
+        return self.w2(x) if self.rows is None else self.rows(x)
 
     def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
         """h [..., d], prev [...] long -> (bias [..., V], W1[prev] [..., r], new state)."""

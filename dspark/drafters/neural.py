@@ -19,13 +19,12 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dspark.device import upload
 from dspark.drafters.base import ContextRow, Drafter, DrafterConfig
 from dspark.kv_cache import PagedKVCache
 from dspark.models.decoder import CausalLM
-from dspark.models.fused import fuse_projections
+from dspark.models.fused import Product, fuse_projections
 from dspark.sampling import SamplingRows, probabilities, sample
 
 
@@ -38,7 +37,7 @@ class NeuralDrafter(nn.Module, Drafter):
         self._target: list[CausalLM] = []  # a list: the target is not a submodule (not saved, not trained)
         self.cache: PagedKVCache | None = None
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft vocabulary (None: all)
-        self.vocab_rows: torch.Tensor | None = None  # [N, d] the LM head's rows for them
+        self.vocab_head: Product | None = None  # the product with the LM head's rows [N, d] for them
         # a checkpoint's own LM head over its fixed draft vocabulary (EAGLE-3, speculators' d2t)
         self.own_head = nn.Linear(config.hidden_size, len(config.draft_vocab) or config.vocab_size, bias=False) \
             if config.own_lm_head else None
@@ -58,9 +57,9 @@ class NeuralDrafter(nn.Module, Drafter):
         over the draft vocabulary when one is set."""
         if self.own_head is not None:
             return self.own_head(hidden).float()
-        if self.vocab_rows is not None:
-            return F.linear(hidden, self.vocab_rows).float()
-        return self.target.lm_head(hidden).float()
+        if self.vocab_head is not None:
+            return self.vocab_head(hidden).float()
+        return self.target.logits(hidden, normed=True)
 
     # ---- the draft vocabulary -------------------------------------------------------------
     def restrict_vocab(self, ids: Sequence[int] | None) -> None:
@@ -74,14 +73,15 @@ class NeuralDrafter(nn.Module, Drafter):
                              "map); --draft-vocab does not apply to it")
         ids = ids if ids is not None or not fixed else fixed
         if ids is None:
-            self.vocab_ids = self.vocab_rows = None
+            self.vocab_ids, self.vocab_head = None, None
             self.restrict_heads(None)
             return
         vocab = self.config.vocab_size
         if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
             raise ValueError(f"a draft vocabulary is distinct token ids in [0, {vocab})")
         self.vocab_ids = upload(list(ids), self.target.device, torch.long)
-        self.vocab_rows = self.target.lm_head.weight[self.vocab_ids].contiguous()
+        rows = self.target.lm_head.weight.detach()[self.vocab_ids].contiguous()
+        self.vocab_head = Product(rows, None, [rows])
         self.restrict_heads(self.vocab_ids)
 
     def check_trainable(self) -> None:

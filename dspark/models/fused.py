@@ -43,7 +43,7 @@ class Product:
         self.versions: list[int] = []  # the sources' versions when blocked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not packable(self.weight):
+        if x.dtype != torch.bfloat16 or not packable(self.weight) or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         versions = [p._version for p in self.sources]
         if self.blocked is None or versions != self.versions:

@@ -100,3 +100,21 @@ def test_serve_starts_and_answers_without_a_cached_profile(qwen3_dir, drafters, 
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] == 4
     assert len(list(cache.glob("*.json"))) == 1
+
+
+def test_profile_points_take_turns_and_keep_their_least_time():
+    """`least` warms every point up, then calls them in rounds (a burst of noise cannot inflate
+    every repeat of one point), and keeps each point's least time, never the warm-up's."""
+    from dspark.engine.profiler import least
+
+    calls: list[str] = []
+    script = {"a": [0.1, 5.0, 3.0, 4.0], "b": [0.1, 2.0, 6.0, 1.0]}  # warm-up first (fast: must not count)
+
+    def point(name: str):
+        def run() -> float:
+            calls.append(name)
+            return script[name][sum(c == name for c in calls) - 1]
+        return run
+
+    assert least([point("a"), point("b")], repeats=3) == [3.0, 1.0]
+    assert calls == ["a", "b"] * 4

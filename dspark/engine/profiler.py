@@ -3,7 +3,8 @@
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
 step); drafter proposals are timed for R requests, at full depth and, for a drafter that
-cuts exactly, at one position. Contexts are reserved in the real
+cuts exactly, at one position. Each point is the least of a few calls, taken in rounds
+that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
 per-request state beside its cache (EAGLE-3/MTP's last feature) has it.
@@ -18,6 +19,8 @@ import hashlib
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "head-major"  # changed whenever what a profile measures changes (its grids, or the engine's step
+REVISION = "fused-products"  # changed whenever what a profile measures changes (its grids, or the engine's step
 # costs, such as the cache layout): a profile cached by an older version is measured again
 
 
@@ -55,21 +58,32 @@ def grid(limit: int) -> list[int]:
     return sorted(set(out + [limit]))
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
-    """Least wall seconds of fn() over `repeats` calls after one warm-up call: noise (another
-    process, an interrupt, a cold cache) only ever adds time, and a median of a few calls
-    kept enough of it to make verifying look cheap next to an inflated one-token step."""
+def once(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one fn() call (the device synchronised on both sides)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
     fn()
-    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def least(points: Sequence[Callable[[], float]], repeats: int) -> list[float]:
+    """Each point's least seconds (a point times one call of its own), after one warm-up call of
+    each, over `repeats` rounds that call every point once in turn. Noise only ever adds time, so
+    the least is kept; and the rounds spread a point's repeats over the whole measurement: timed
+    back to back, one burst of noise (another process, a cold cache) longer than a few calls
+    inflated every repeat of the points it met and left a kink in the profile (verifying 9 tokens
+    measured 1.4 one-token forwards where a drafted step's verify costs about one, dspark-small), on
+    which the gate kept drafting off at one request."""
+    for point in points:
+        point()
+    best = [math.inf] * len(points)
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for i, point in enumerate(points):
+            best[i] = min(best[i], point())
+    return best
 
 
 def load_cached(key: str) -> StepProfile | None:
@@ -120,6 +134,7 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
     taps = drafter.taps
 
     def verify_time(b: int) -> float:
+        """One forward of b tokens (its requests' slots held only while it runs)."""
         r = min(math.ceil(b / (gamma + 1)), max(1, free // 2))  # requests that fit in the free pool
         sizes = [b // r + (1 if i < b % r else 0) for i in range(r)]
         c = max(1, min(ctx, (free // r) * bs - max(sizes)))  # context that still fits
@@ -127,14 +142,14 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
         _reserve(pool, ids, c + max(sizes))
         rows = [BatchRow(sid, [1] * n, c + n, n) for sid, n in zip(ids, sizes, strict=True)]
         try:
-            return timed(lambda: base.target_forward(rows, taps), repeats, base.device)
+            return once(lambda: base.target_forward(rows, taps), base.device)
         finally:
             for sid in ids:
                 pool.free(sid)
 
     def draft_time(inputs: list[ProposeInput], depth: int | None = None) -> float:
         rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
-        return timed(lambda: drafter.propose(inputs, rows, depth), repeats, base.device)
+        return once(lambda: drafter.propose(inputs, rows, depth), base.device)
 
     tokens = grid(budget)
     requests = grid(max_r)
@@ -143,12 +158,13 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
     c = ctx if dpool is None else max(1, min(ctx, (dpool.num_free_blocks // max_r) * dpool.block_size - gamma))
     inputs = [ProposeInput(sid, 1, c, [1] * (c + 1)) for sid in ids]
     with torch.inference_mode():
-        verify_s = [verify_time(b) for b in tokens]
+        verify_s = least([partial(verify_time, b) for b in tokens], repeats)
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
-            draft_s = [draft_time(inputs[:r]) for r in requests]
             cuts = drafter.cuts_exactly and gamma > 1
-            shallow_s = [draft_time(inputs[:r], 1) for r in requests] if cuts else []
+            points = [partial(draft_time, inputs[:r], depth) for depth in ((None, 1) if cuts else (None,)) for r in requests]
+            drafted = least(points, repeats)
+            draft_s, shallow_s = drafted[:len(requests)], drafted[len(requests):]
         finally:
             for sid in ids:
                 drafter.free(sid)

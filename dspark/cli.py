@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -214,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"dspark: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader left (`dspark generate ... | head`): stop quietly, as Unix tools do; stdout goes to
+        # /dev/null so that the interpreter's last flush at exit does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool a closed pipe stopped
 
 
 if __name__ == "__main__":

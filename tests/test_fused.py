@@ -118,3 +118,15 @@ def test_the_blocked_bfloat16_product_follows_the_weights():
             torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
         head = net.logits(x)
         torch.testing.assert_close(head, net.lm_head(net.model.norm(x)).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fusing_again_keeps_current_stacks_and_restacks_moved_ones():
+    torch.manual_seed(0)
+    attn = Attention(tiny_config())
+    attn.fuse_projections()  # autograd on: the stack is current, only not usable
+    stacked = attn.fused
+    attn.fuse_projections()
+    assert attn.fused is stacked  # no second stack (its blocked copies are kept)
+    attn.to(torch.float64)
+    attn.fuse_projections()
+    assert attn.fused is not stacked and attn.fused.current()

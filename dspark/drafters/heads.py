@@ -36,8 +36,11 @@ class SequentialHead(nn.Module):
 
     def restrict(self, ids: torch.Tensor | None) -> None:
         """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
-        rows = None if ids is None else self.w2.weight.detach()[ids].contiguous()
-        self.rows = None if rows is None else Product(rows, None, [rows])
+        if ids is None:
+            self.rows = None
+            return
+        rows = self.w2.weight.detach()[ids].contiguous()
+        self.rows = Product(rows, None, [rows])
 
     def out(self, x: torch.Tensor) -> torch.Tensor:
         """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""

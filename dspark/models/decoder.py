@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
-from dspark.models.fused import Fused, through
+from dspark.models.fused import Fused, outputs, refresh
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
@@ -52,20 +52,16 @@ class Attention(nn.Module):
         self.fused_out: Fused | None = None  # o_proj's product
 
     def fuse_projections(self) -> None:
-        if self.fused is None or not self.fused.usable():
-            self.fused = Fused(self.q_proj, self.k_proj, self.v_proj)
-        if self.fused_out is None or not self.fused_out.usable():
-            self.fused_out = Fused(self.o_proj)
+        self.fused = refresh(self.fused, self.q_proj, self.k_proj, self.v_proj)
+        self.fused_out = refresh(self.fused_out, self.o_proj)
 
     def output(self, heads: torch.Tensor) -> torch.Tensor:
         """o_proj over the heads flattened: [..., H, D] -> [..., d]."""
-        return through(self.fused_out, self.o_proj, heads.flatten(-2))
+        return outputs(self.fused_out, (self.o_proj,), heads.flatten(-2))[0]
 
     def project(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
         """(q, k, v) projections of x, or (k, v) from first = 1; one product where fused."""
-        if self.fused is not None and self.fused.usable():
-            return self.fused(x, first)
-        return tuple(p(x) for p in (self.q_proj, self.k_proj, self.v_proj)[first:])
+        return outputs(self.fused, (self.q_proj, self.k_proj, self.v_proj), x, first)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., d] -> q [..., H, D], k/v [..., Hkv, D] with q/k-norm and RoPE applied."""
@@ -124,8 +120,7 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """The LM head's product (the layers fuse their own: `models/fused.py`)."""
-        if self.fused_head is None or not self.fused_head.usable():
-            self.fused_head = Fused(self.lm_head)
+        self.fused_head = refresh(self.fused_head, self.lm_head)
 
     @property
     def device(self) -> torch.device:
@@ -170,4 +165,4 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor, normed: bool = False) -> torch.Tensor:
         """LM head in float32 (sampling and verification compare probabilities exactly)."""
         h = hidden if normed else self.model.norm(hidden)
-        return through(self.fused_head, self.lm_head, h).float()
+        return outputs(self.fused_head, (self.lm_head,), h)[0].float()

@@ -81,10 +81,13 @@ class Fused:
     def sources(self) -> list[torch.Tensor]:
         return [p for layer in self.layers for p in (layer.weight, layer.bias) if p is not None]
 
+    def current(self) -> bool:
+        """Every layer's weight is still a view of the stacked tensor (no `.to()` since)."""
+        return all(layer.weight.data_ptr() == p for layer, p in zip(self.layers, self.pointers, strict=True))
+
     def usable(self) -> bool:
-        """No autograd, and every layer's weight is still a view of the stacked tensor."""
-        return not torch.is_grad_enabled() and all(
-            layer.weight.data_ptr() == p for layer, p in zip(self.layers, self.pointers, strict=True))
+        """No autograd, and the stacked weights are current."""
+        return not torch.is_grad_enabled() and self.current()
 
     def __call__(self, x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
         """The outputs of layers[first:] (their stacked rows are contiguous: one product too)."""
@@ -95,9 +98,17 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach() if t is not None else None
 
 
-def through(fused: Fused | None, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x), by its fused product where that is usable."""
-    return fused(x)[0] if fused is not None and fused.usable() else layer(x)
+def refresh(fused: Fused | None, *layers: nn.Linear) -> Fused:
+    """fused while its layers still view its weights, else the layers fused anew (whatever the
+    autograd mode: fusing again keeps the blocked copies)."""
+    return fused if fused is not None and fused.current() else Fused(*layers)
+
+
+def outputs(fused: Fused | None, layers: tuple[nn.Linear, ...], x: torch.Tensor, first: int = 0) -> tuple[torch.Tensor, ...]:
+    """Each of layers[first:] applied to x: by the fused product where that is usable, else layer by layer."""
+    if fused is not None and fused.usable():
+        return fused(x, first)
+    return tuple(layer(x) for layer in layers[first:])
 
 
 def fuse_projections(module: nn.Module) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dspark.models.fused import Fused, through
+from dspark.models.fused import Fused, outputs, refresh
 
 
 class RMSNorm(nn.Module):
@@ -41,17 +41,12 @@ class SwiGLU(nn.Module):
         self.fused_down: Fused | None = None  # down_proj's product
 
     def fuse_projections(self) -> None:
-        if self.fused is None or not self.fused.usable():
-            self.fused = Fused(self.gate_proj, self.up_proj)
-        if self.fused_down is None or not self.fused_down.usable():
-            self.fused_down = Fused(self.down_proj)
+        self.fused = refresh(self.fused, self.gate_proj, self.up_proj)
+        self.fused_down = refresh(self.fused_down, self.down_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.fused.usable():
-            gate, up = self.fused(x)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return through(self.fused_down, self.down_proj, F.silu(gate) * up)
+        gate, up = outputs(self.fused, (self.gate_proj, self.up_proj), x)
+        return outputs(self.fused_down, (self.down_proj,), F.silu(gate) * up)[0]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

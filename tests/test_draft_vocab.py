@@ -64,7 +64,7 @@ def test_restricted_block_drafts_inside_the_set(qwen3_dir, kind):
     ids = list(range(vocab - 1, -1, -1))  # every token, in another order: the same greedy block
     drafter.restrict_vocab(ids)
     again = propose(drafter, greedy)
-    assert torch.equal(full.tokens, again.tokens) and torch.equal(full.probs, again.probs)
+    assert torch.equal(full.tokens, again.tokens) and full.probs is None and again.probs is None
     subset = list(range(1, vocab, 3))
     drafter.restrict_vocab(subset)
     block = propose(drafter, sampled)
@@ -79,6 +79,31 @@ def test_restricted_block_drafts_inside_the_set(qwen3_dir, kind):
                               torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     drafter.restrict_vocab(None)
     assert propose(drafter, sampled).probs.shape[-1] == vocab
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_markov_table_drafts_what_the_head_product_drafts(qwen3_dir, temperature):
+    """Over a draft vocabulary the markov bias after a draft token is read from its table row; the
+    block (tokens, distributions, confidences) is the one the lookup-and-product step gives."""
+    engine = engine_for(qwen3_dir, "dspark", "static:7", None)
+    drafter = engine.drafter
+    with torch.no_grad():  # a head that moves the logits, so a wrong row would change the draft
+        drafter.head.w2.weight.normal_(std=2.0)
+    drafter.restrict_vocab(list(range(1, drafter.config.vocab_size, 2)))
+    head = drafter.head
+    assert head.table is not None and head.table.shape == (len(drafter.vocab_ids),) * 2
+    e = head.w1(drafter.vocab_ids[:5])
+    assert torch.allclose(head.table[:5], head.out(e).float(), atol=1e-5)
+    rows = SamplingRows.same(1, SamplingParams(temperature=temperature))
+    by_table = propose(drafter, rows)
+    drafter.pool.free("r")
+    head.table = None
+    by_product = propose(drafter, rows)
+    assert torch.equal(by_table.tokens, by_product.tokens)
+    assert (by_table.probs is None) == (temperature == 0.0)
+    if by_table.probs is not None:
+        assert torch.allclose(by_table.probs, by_product.probs, atol=1e-5)
+    assert torch.allclose(by_table.confidence, by_product.confidence, atol=1e-6)
 
 
 def test_bad_draft_vocabularies_are_refused(qwen3_dir):

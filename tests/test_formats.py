@@ -44,13 +44,13 @@ def propose_logits(target, drafter, context: list[int], anchor: int):
     recording the logits each draft token is drawn from."""
     _, taps = target.forward_dense(torch.tensor([context]), taps=drafter.taps)
     drafter.extend([ContextRow("r", 0, context, taps[0])])
-    seen, draw = [], drafter.draw
+    seen, pick = [], drafter.pick
 
     def record(logits, rows, generators):
         seen.append(logits[0].clone())
-        return draw(logits, rows, generators)
+        return pick(logits, rows, generators)
 
-    drafter.draw = record
+    drafter.pick = record
     block = drafter.propose([ProposeInput("r", anchor, len(context), context)],
                             SamplingRows.same(1, SamplingParams(temperature=0.0)))
     return block, torch.stack(seen)

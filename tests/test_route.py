@@ -170,6 +170,7 @@ class Peeking(RoutedDrafter):
         nb = self.neural.propose(inputs, rows)
         keep = [r for r in range(len(inputs)) if int(nb.tokens[r, 0]) % 2 == 0]
         block.sources = [self.copy.config.kind] * len(inputs)
+        block.probs = block.distributions(nb.probs.shape[-1])
         for r in keep:
             block.tokens[r], block.probs[r], block.confidence[r] = nb.tokens[r], nb.probs[r], nb.confidence[r]
             block.num_valid[r], block.sources[r] = self.gamma, self.neural.config.kind

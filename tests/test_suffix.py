@@ -63,7 +63,9 @@ def test_copies_the_continuation_of_the_longest_match_without_rescanning():
     block = propose(d, "a", NoReads(history), anchor=10)
     assert block.num_valid == [5]
     assert block.tokens[0].tolist() == [11, 12, 13, 14, 3]
-    assert torch.equal(block.probs.argmax(-1), block.tokens) and bool((block.probs.sum(-1) == 1).all())
+    assert block.probs is None  # each copied token is certain
+    probs = block.distributions(64)
+    assert torch.equal(probs.argmax(-1), block.tokens) and bool((probs.sum(-1) == 1).all())
     conf = block.confidence[0].tolist()
     assert all(0 < c < 1 for c in conf)
 

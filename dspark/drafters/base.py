@@ -124,12 +124,19 @@ class DraftBlock:
     """gamma draft tokens per request, in request order of the `propose` call."""
 
     tokens: torch.Tensor  # [R, gamma] long, x_1..x_gamma
-    probs: torch.Tensor  # [R, gamma, V] float32, the distribution each x_k was sampled from
+    probs: torch.Tensor | None  # [R, gamma, V] float32, the distribution each x_k was sampled from; None: each
+    # x_k was certain (greedy rows, copied drafts), a one-hot that `distributions` builds only where sampling needs it
     confidence: torch.Tensor | None = None  # [R, gamma] in (0, 1): P(x_k accepted | prefix accepted)
     num_valid: list[int] | None = None  # per request, how many positions are real proposals
     confidence_logits: torch.Tensor | None = None  # [R, gamma] raw head logits (before STS)
     sources: list[str] | None = None  # per request, the drafter that proposed it (None: this drafter's kind)
     num_drafted: int | None = None  # requests the profiled (costly) drafter ran for (None: all of them)
+
+    def distributions(self, vocab: int) -> torch.Tensor:
+        """[R, gamma, V]: `probs`, or the one-hot on each token where the block holds none."""
+        if self.probs is not None:
+            return self.probs
+        return torch.zeros(*self.tokens.shape, vocab, device=self.tokens.device).scatter_(-1, self.tokens[..., None], 1.0)
 
 
 @dataclass(frozen=True)
@@ -244,14 +251,12 @@ def widened(block: DraftBlock, gamma: int) -> DraftBlock:
                                confidence_logits=more(block.confidence_logits, -30.0), num_valid=valid)
 
 
-def copied_block(drafts: Sequence[list[int]], anchors: Sequence[int], gamma: int, vocab: int,
-                 device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens [R, gamma] and one-hot draft distributions [R, gamma, V] of copy drafters (n-gram,
-    suffix): each draft padded to gamma with its last token (the anchor when empty); only its
-    first len(draft) positions count (`DraftBlock.num_valid`)."""
+def copied_tokens(drafts: Sequence[list[int]], anchors: Sequence[int], gamma: int,
+                  device: torch.device | str) -> torch.Tensor:
+    """Tokens [R, gamma] of copy drafters (n-gram, suffix), each certain (the block's `probs` is None):
+    each draft padded to gamma with its last token (the anchor when empty); only its first
+    len(draft) positions count (`DraftBlock.num_valid`)."""
     from dspark.device import upload
 
     padded = [d + [d[-1] if d else a] * (gamma - len(d)) for d, a in zip(drafts, anchors, strict=True)]
-    tokens = upload(padded, device, torch.long)
-    probs = torch.zeros(len(padded), gamma, vocab, device=device)
-    return tokens, probs.scatter_(-1, tokens[..., None], 1.0)
+    return upload(padded, device, torch.long)

@@ -102,26 +102,32 @@ class BlockDrafter(NeuralDrafter):
 
     def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
         """Left-to-right sampling of the block's positions from hidden [R, depth, d]."""
-        base = self.lm_head(hidden)  # [R, depth, V] (or [R, depth, N] over a draft vocabulary)
-        prev, state = anchors, None
-        tokens, probs, embs = [], [], []
+        base = self.lm_head(hidden)  # [R, depth, V] float32 (or [R, depth, N] over a draft vocabulary)
+        table = None if self.head is None else self.head.table
+        prev, index, state = anchors, None, None
+        picks, probs = [], []
         for k in range(hidden.shape[1]):
             logits = base[:, k]
-            if self.head is not None:
-                bias, emb, state = self.head.step(hidden[:, k], prev, state)
+            if table is not None and index is not None:  # x_{k-1} is a draft token: its row of the table
+                logits = logits + table.index_select(0, index)
+            elif self.head is not None:
+                bias, _, state = self.head.step(hidden[:, k], prev, state)
                 logits = logits + bias.float()
-                embs.append(emb)
-            prev, p = self.draw(logits, rows, generators)
-            tokens.append(prev)
+            index, p = self.pick(logits, rows, generators)
+            if table is None:
+                prev = self.token_ids(index)
+            picks.append(index)
             probs.append(p)
+        block = self.token_ids(torch.stack(picks, 1))
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
         raw = None
         if self.conf is not None:
-            raw = self.conf(hidden, torch.stack(embs, 1) if self.config.confidence_markov else None)
+            embs = self.head.w1(torch.cat([anchors[:, None], block[:, :-1]], 1)) \
+                if self.config.confidence_markov and self.head is not None else None
+            raw = self.conf(hidden, embs)
         cfg = self.config
         confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
-        block = torch.stack(tokens, 1)
-        return DraftBlock(block, self.block_probs(block, probs), confidence, confidence_logits=raw)
+        return DraftBlock(block, self.block_probs(probs), confidence, confidence_logits=raw)
 
     # ---- training -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -139,7 +139,7 @@ class Eagle3Drafter(NeuralDrafter):
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len - 1)
         block = torch.stack(tokens, 1)
-        return widened(DraftBlock(block, self.block_probs(block, probs), None), self.gamma)
+        return widened(DraftBlock(block, self.block_probs(probs), None), self.gamma)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("EAGLE-3 checkpoints in the published layout serve only; train dspark's eagle3 drafter")

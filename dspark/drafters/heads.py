@@ -8,6 +8,9 @@ draft token x_k depends on the tokens sampled before it in the block:
 `step` is the one code path used both when sampling left to right and when teacher-forcing
 in training (`teacher` loops `step` over the block), so the two cannot drift apart.
 The confidence head reads [h_k; W1[x_{k-1}]], known before x_k is drawn (non-anticipating).
+Serving over a draft vocabulary, the markov bias after a draft token is a row of the table
+W1 W2^T over that vocabulary (`transitions`): one gather per position instead of a lookup
+and a product.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from torch import nn
 
 from dspark.device import upload
 from dspark.models.fused import Product
+
+TABLE_BYTES = 64 << 20  # the largest transition table a markov head keeps (N x N float32)
 
 
 class SequentialHead(nn.Module):
@@ -33,14 +38,17 @@ class SequentialHead(nn.Module):
             self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
         self.rank = rank
         self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
+        self.table: torch.Tensor | None = None  # markov over a draft vocabulary: [N, N] bias after each draft token
 
     def restrict(self, ids: torch.Tensor | None) -> None:
         """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
+        self.rows, self.table = None, None
         if ids is None:
-            self.rows = None
             return
         rows = self.w2.weight.detach()[ids].contiguous()
         self.rows = Product(rows, None, [rows])
+        if self.kind == "markov" and len(ids) ** 2 * 4 <= TABLE_BYTES:
+            self.table = transitions(self.w1.weight.detach()[ids], rows)
 
     def out(self, x: torch.Tensor) -> torch.Tensor:
         """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""
@@ -69,6 +77,12 @@ class SequentialHead(nn.Module):
             biases.append(b)
             embs.append(e)
         return torch.stack(biases, dim=-2), torch.stack(embs, dim=-2)
+
+
+def transitions(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """W1 [N, r], W2 [N, r] over a draft vocabulary -> [N, N] float32: row i is the markov bias after
+    draft token i, rounded to the weights' dtype as the product `out` rounds it."""
+    return (w1.float() @ w2.float().T).to(w1.dtype).float()
 
 
 class ConfidenceHead(nn.Module):

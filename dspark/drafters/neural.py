@@ -107,16 +107,22 @@ class NeuralDrafter(nn.Module, Drafter):
         """One draft token per row of draft logits [R, V] (or [R, N]) -> (token ids [R], the
         distribution it was drawn from; None when every row is greedy: its one-hot is built once
         for the whole block by `block_probs`, not once per position)."""
-        if rows.all_greedy:
-            return self.token_ids(logits.argmax(-1)), None
-        p = probabilities(logits, rows)
-        return self.token_ids(sample(p, rows, generators)), p
+        index, p = self.pick(logits, rows, generators)
+        return self.token_ids(index), p
 
-    def block_probs(self, tokens: torch.Tensor, probs: Sequence[torch.Tensor | None]) -> torch.Tensor:
-        """The block's draft distributions [R, gamma, V] from `draw`'s per-position results."""
-        if any(p is None for p in probs):  # greedy: one-hot on each drawn token
-            return torch.zeros(*tokens.shape, self.config.vocab_size, device=tokens.device).scatter_(
-                -1, tokens[..., None], 1.0)
+    @staticmethod
+    def pick(logits: torch.Tensor, rows: SamplingRows, generators) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`draw` before the draft vocabulary maps it: positions [R] in the logits' last axis."""
+        if rows.all_greedy:
+            return logits.argmax(-1), None
+        p = probabilities(logits, rows)
+        return sample(p, rows, generators), p
+
+    def block_probs(self, probs: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        """The block's draft distributions [R, gamma, V] from `draw`'s per-position results; None when
+        every row is greedy (each token certain: `DraftBlock.distributions`)."""
+        if any(p is None for p in probs):
+            return None
         return self.full_probs(torch.stack(list(probs), 1))
 
     def bind(self, target: CausalLM, num_blocks: int, block_size: int) -> None:

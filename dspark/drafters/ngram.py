@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_block
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_tokens
 from dspark.sampling import SamplingRows
 
 
@@ -57,7 +57,6 @@ def continuation(tokens: Sequence[int], begin: int, gamma: int) -> list[int]:
 class NgramDrafter(Drafter):
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
-        self.vocab_size = config.vocab_size
         self.device: torch.device | str = "cpu"
         self.index: dict[str, SuffixIndex] = {}
 
@@ -66,7 +65,6 @@ class NgramDrafter(Drafter):
         return True
 
     def bind(self, target, num_blocks: int, block_size: int) -> None:
-        self.vocab_size = target.config.vocab_size
         self.device = target.device
 
     def extend(self, rows: Sequence[ContextRow]) -> None:
@@ -84,5 +82,5 @@ class NgramDrafter(Drafter):
         # a copy costs nothing per position: depth is ignored
         g = self.gamma
         conts = [self._index(i.seq_id).lookup(i.tokens, g) for i in inputs]
-        tokens, probs = copied_block(conts, [i.anchor for i in inputs], g, self.vocab_size, self.device)
-        return DraftBlock(tokens, probs, None, [len(c) for c in conts])
+        tokens = copied_tokens(conts, [i.anchor for i in inputs], g, self.device)
+        return DraftBlock(tokens, None, None, [len(c) for c in conts])

@@ -148,7 +148,9 @@ class RoutedDrafter(Drafter):
                 self.blocks[inp.seq_id] = (inp.context_len + 1, toks, e)
             index = torch.tensor(chosen, device=block.tokens.device)
             block.tokens[index] = nb.tokens.to(block.tokens.device)
-            block.probs[index] = nb.probs.to(block.probs.device)
+            if nb.probs is not None:  # sampled rows: the copied ones' certain drafts as one-hots beside them
+                block.probs = block.distributions(nb.probs.shape[-1])
+                block.probs[index] = nb.probs.to(block.probs.device)
             block.confidence[index] = nb.confidence.to(block.confidence.device, torch.float32)
             for k, r in enumerate(chosen):
                 block.num_valid[r] = self.gamma if nb.num_valid is None else nb.num_valid[k]

@@ -98,7 +98,7 @@ class ShiftedDrafter(NeuralDrafter):
             for i in inputs:
                 self.pool.truncate(i.seq_id, i.context_len)
         block = torch.stack(tokens, 1)
-        return widened(DraftBlock(block, self.block_probs(block, probs), None), self.gamma)
+        return widened(DraftBlock(block, self.block_probs(probs), None), self.gamma)
 
     # ---- training (training-time test) ------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.device import upload
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_block
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, copied_tokens
 from dspark.sampling import SamplingRows
 
 Counts = dict[tuple[int, ...], dict[int, int]]
@@ -111,7 +111,6 @@ class Calibration:
 class SuffixDrafter(Drafter):
     def __init__(self, config: DrafterConfig) -> None:
         self.config = config
-        self.vocab_size = config.vocab_size
         self.device: torch.device | str = "cpu"
         self.seqs: dict[str, Context] = {}
         self.store = Store(config.suffix_store, config.suffix_depth)
@@ -126,7 +125,6 @@ class SuffixDrafter(Drafter):
         return True
 
     def bind(self, target, num_blocks: int, block_size: int) -> None:
-        self.vocab_size = target.config.vocab_size
         self.device = target.device
 
     # ---- the per-request index -------------------------------------------------------------
@@ -218,6 +216,6 @@ class SuffixDrafter(Drafter):
             seq.proposal = (inp.context_len + 1, tokens, buckets) if tokens else None
             drafts.append(tokens)
             confs.append(conf)
-        tokens, probs = copied_block(drafts, [i.anchor for i in inputs], g, self.vocab_size, self.device)
+        tokens = copied_tokens(drafts, [i.anchor for i in inputs], g, self.device)
         conf = upload([c + [0.01] * (g - len(c)) for c in confs], self.device, torch.float32)
-        return DraftBlock(tokens, probs, conf, [len(d) for d in drafts])
+        return DraftBlock(tokens, None, conf, [len(d) for d in drafts])

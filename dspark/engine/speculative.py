@@ -192,7 +192,7 @@ class SpeculativeRunner:
         rows = sampling_rows(reqs, [1 + ell for ell in lengths], self.device)
         padded = torch.zeros(*shape, logits.shape[-1], device=self.device)
         padded[index[:, 0], index[:, 1]] = probabilities(logits, rows)  # one scatter, not one copy per request
-        return verify(block.tokens, block.probs, padded, upload(lengths, self.device), [r.generator for r in reqs])
+        return verify(block.tokens, block.distributions(logits.shape[-1]), padded, upload(lengths, self.device), [r.generator for r in reqs])
 
     def _commit_context(self, result: StepResult, ordered, batch, out) -> None:
         """Queue the tapped features of every token now committed to the target cache; the

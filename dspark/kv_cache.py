@@ -5,6 +5,9 @@ request (allocating blocks as needed), **truncate** a request to length n (the r
 rejected draft tokens frees whole blocks past the new end), free a request. `PagedKVCache`
 adds the per-layer K/V tensors, sized from a memory budget, that attention reads through
 the block tables (`models/attention.py`). The drafters' own caches reuse `BlockPool`.
+Freed blocks go back to the front of the free list, so a request that rolls back and grows
+again (every speculative step, every proposal's temporary slots) takes the same blocks back
+and a lone request's context stays in consecutive blocks, which attention reads in place.
 """
 
 from __future__ import annotations
@@ -65,12 +68,12 @@ class BlockPool:
             raise ValueError(f"cannot truncate a sequence of {current} tokens to {length}")
         table = self.tables.get(seq, [])
         keep = self.blocks_needed(length)
-        self._free.extend(table[keep:])
+        self._free.extendleft(reversed(table[keep:]))  # first in line again: the next append takes them back
         del table[keep:]
         self.lengths[seq] = length
 
     def free(self, seq: Hashable) -> None:
-        self._free.extend(self.tables.pop(seq, []))
+        self._free.extendleft(reversed(self.tables.pop(seq, [])))
         self.lengths.pop(seq, None)
 
     def length(self, seq: Hashable) -> int:

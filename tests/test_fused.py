@@ -4,6 +4,8 @@ path steps aside under autograd and after the weights move."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from dspark.engine.factory import build_engine
 from dspark.models import fused as fused_module
 from dspark.models.decoder import Attention, CausalLM
 from dspark.models.fused import fuse_projections
-from dspark.models.layers import SwiGLU
+from dspark.models.layers import Rotary, SwiGLU, apply_rope
 from dspark.models.loader import load_target, save_model
 
 
@@ -38,6 +40,30 @@ def test_fused_attention_projections_match_the_separate_layers():
                 torch.testing.assert_close(g, w)
             for g, w in zip(attn.project(x, first=1), want[1:], strict=True):  # k and v alone
                 torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model_type", ["qwen3", "llama"])
+def test_fused_attention_norms_and_rotates_q_and_k_as_the_separate_path_does(model_type, dtype):
+    """Fused, q and k leave one product side by side and are normed and rotated as one tensor of heads;
+    each head gets exactly what q_norm/k_norm and RoPE give it apart (given the same projections)."""
+    torch.manual_seed(0)
+    attn = Attention(dataclasses.replace(tiny_config(), model_type=model_type)).to(dtype)
+    if attn.qk_norm:
+        with torch.no_grad():  # norms with weights of their own, so a head normed by the wrong one shows
+            attn.q_norm.weight.uniform_(0.5, 1.5)
+            attn.k_norm.weight.uniform_(0.5, 1.5)
+    attn.fuse_projections()
+    x, positions = torch.randn(5, 32, dtype=dtype), torch.arange(3, 8)
+    cos, sin = Rotary(8, 10000.0, None).cos_sin(positions, x.dtype)
+    with torch.no_grad():
+        got = attn.qkv(x, cos, sin)
+        q, k, v = (t.view(5, -1, 8) for t in attn.fused(x))
+        if attn.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        want = (apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_fused_mlp_matches_the_separate_layers():

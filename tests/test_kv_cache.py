@@ -60,3 +60,21 @@ def test_truncate_then_append_equals_never_appended(block_size, base, extra, lat
     c = BlockPool(256, block_size)
     c.append("r", base + extra)
     assert a.block_table("r")[:kept] == c.block_table("r")[:kept]
+
+
+def test_freed_blocks_are_taken_back_first_and_in_order():
+    """A rollback and a regrowth take the same blocks back (a speculative step, a proposal's temporary
+    slots), and a freed request's blocks go to the next request in their order: contexts stay in
+    consecutive blocks where they can, which attention reads in place."""
+    pool = BlockPool(16, 4)
+    pool.append("a", 5)
+    pool.append("b", 3)
+    pool.append("a", 8)
+    grown = list(pool.block_table("a"))
+    for _ in range(3):
+        pool.truncate("a", 5)
+        pool.append("a", 8)
+        assert pool.block_table("a") == grown
+    pool.free("a")
+    pool.append("c", 13)
+    assert pool.block_table("c") == grown

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dspark.engine.batch import BatchRow
+from dspark.models.attention import AttentionMetadata
 from tests.test_spec_engine import engine_for
 
 
@@ -32,3 +33,25 @@ def test_a_verify_row_gets_what_a_plain_step_gets(qwen3_dir, dtype):
             _, eight = runner.target_forward([BatchRow(sid, ids[c:c + 8], c + 8, 8)])
             assert (one.logits[0] - eight.logits[0]).abs().max().item() <= tol, c
             pool.free(sid)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_lone_request_read_in_place_gets_what_a_gathered_one_gets(qwen3_dir, dtype):
+    """One request whose context blocks are consecutive is attended in place (a view of the cache);
+    beside another request its context is gathered. Its logits are the same either way, exactly."""
+    engine = engine_for(qwen3_dir, dtype=dtype, num_kv_blocks=64)
+    runner, pool = engine.runner, engine.kv.pool
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, engine.model.config.vocab_size, (80,), generator=gen).tolist()
+    with torch.inference_mode():
+        for sid, n in (("a", 41), ("b", 30)):
+            pool.append(sid, n + 8)
+            runner.target_forward([BatchRow(sid, ids[:n], n, 1)])
+        table = pool.block_table("a")
+        assert table == list(range(table[0], table[0] + len(table)))  # the first request: consecutive blocks
+        lone = AttentionMetadata.build([8], [49], [table], pool.block_size, "cpu")
+        pair = AttentionMetadata.build([8, 8], [49, 38], [table, pool.block_table("b")], pool.block_size, "cpu")
+        assert lone.groups[0].first_block == table[0] and pair.groups[0].first_block is None
+        _, alone = runner.target_forward([BatchRow("a", ids[41:49], 49, 8)])
+        _, both = runner.target_forward([BatchRow("a", ids[41:49], 49, 8), BatchRow("b", ids[30:38], 38, 8)])
+    assert torch.equal(alone.logits, both.logits[:8])

@@ -33,6 +33,7 @@ class AttentionGroup:
     kv_blocks: torch.Tensor  # [R, B] cache block of request r's j-th block of context (0 = pad)
     mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
     dense: bool = False  # every request has Q new tokens, the first R*Q flat rows in order: no gather needed
+    first_block: int | None = None  # one request whose B context blocks are consecutive from this one: read in place
     derived: dict = field(default_factory=dict, compare=False, repr=False)  # see `grid_mask`
 
     def head_blocks(self, heads: int, num_blocks: int) -> torch.Tensor:
@@ -157,8 +158,11 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
         mask = mask & (keys[None, None, :] <= qpos[:, :, None])
     mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
     dense = all(n == num_q for n in query_lens) and list(starts) == [i * num_q for i in range(len(starts))]
+    first = block_tables[0][0] if len(block_tables) == 1 else None
+    consecutive = first is not None and list(block_tables[0][:width]) == list(range(first, first + width))
     return AttentionGroup(
         dense=dense,
+        first_block=first if consecutive else None,
         query_index=upload(query_index, device),
         query_rows=upload(query_valid.flatten().nonzero()[:, 0], device),  # found on the host, not the device
         kv_blocks=upload(tables, device),
@@ -232,11 +236,16 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def context_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
-    """[Hkv, num_slots, D] -> each request's context [Hkv, R, K, D], contiguous, gathered whole blocks at a
+    """[Hkv, num_slots, D] -> each request's context [Hkv, R, K, D], a contiguous copy gathered whole blocks at a
     time (a block is one contiguous copy: at 64 requests this halves the gather's cost against indexing
-    every slot), every head's in one gather along the first axis (along the second it ran 25% slower)."""
+    every slot), every head's in one gather along the first axis (along the second it ran 25% slower).
+    A lone request whose blocks are consecutive is read in place (a decode step at one request copied
+    its whole context twice per layer)."""
     r, width = group.kv_blocks.shape
     heads, d = cache.shape[0], cache.shape[-1]
+    if group.first_block is not None:  # one request in consecutive blocks: a view, no copy
+        start = group.first_block * block_size
+        return cache[:, start : start + width * block_size].unsqueeze(1)
     blocks = cache.view(-1, block_size, d)  # [Hkv * num_blocks, block_size, D]
     picked = blocks.index_select(0, group.head_blocks(heads, blocks.shape[0] // heads))  # [Hkv*R*B, block_size, D]
     return picked.view(heads, r, width * block_size, d)

@@ -23,7 +23,7 @@ from torch import nn
 from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
 from dspark.models.fused import Fused, outputs, refresh
-from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope
+from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, normalized
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
 
@@ -65,14 +65,24 @@ class Attention(nn.Module):
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [..., d] -> q [..., H, D], k/v [..., Hkv, D] with q/k-norm and RoPE applied."""
-        lead = x.shape[:-1]
-        q, k, v = self.project(x)
-        q = q.view(*lead, self.heads, self.head_dim)
-        k = k.view(*lead, self.kv_heads, self.head_dim)
-        v = v.view(*lead, self.kv_heads, self.head_dim)
+        lead, h, hkv = x.shape[:-1], self.heads, self.kv_heads
+        if self.fused is not None and self.fused.usable():
+            # one product's q, k and v heads side by side: q and k are normed and rotated as one tensor
+            heads = self.fused.joined(x).view(*lead, h + 2 * hkv, self.head_dim)
+            qk = apply_rope(self.norm_qk(heads[..., : h + hkv, :]), cos, sin)
+            return qk[..., :h, :], qk[..., h:, :], heads[..., h + hkv :, :]
+        q, k, v = (t.view(*lead, -1, self.head_dim) for t in self.project(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q/k-norm of q and k heads side by side [..., H + Hkv, D], each head by its own weight (Qwen3;
+        Llama has none). Per head what q_norm and k_norm give: a kernel call each saved in every layer."""
+        if not self.qk_norm:
+            return qk
+        weight = torch.cat([self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)])
+        return weight * normalized(qk, self.q_norm.eps)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata | None, kv: KVLayer | None) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)

@@ -93,6 +93,10 @@ class Fused:
         """The outputs of layers[first:] (their stacked rows are contiguous: one product too)."""
         return self.products[first](x).split(self.sizes[first:], -1)
 
+    def joined(self, x: torch.Tensor) -> torch.Tensor:
+        """Every layer's output side by side on the last axis, as one tensor."""
+        return self.products[0](x)
+
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach() if t is not None else None

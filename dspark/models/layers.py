@@ -25,8 +25,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x²) + eps) in float32 (fused into one kernel on CUDA), weight applied after the cast back
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return self.weight * normalized(x, self.eps)
+
+
+def normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x²) + eps) over the last axis in float32 (one kernel on CUDA), cast back to x's dtype;
+    RMSNorm applies its weight after the cast, as the reference implementations do."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 class SwiGLU(nn.Module):

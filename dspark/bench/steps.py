@@ -12,8 +12,8 @@ configuration measured in the same run:
 - drafted step / plain step: what one drafted step costs in target steps. Speculation pays
   when the tokens a drafted step emits (τ) exceed this ratio.
 
-Passes alternate between the configurations (`--repeats`), and every configuration shares one
-copy of the target's weights. `--concurrency C` runs C requests at a time (each step then
+The configurations run in lockstep, one step each in turn, for `--repeats` passes over the prompts,
+and every configuration shares one copy of the target's weights. `--concurrency C` runs C requests at a time (each step then
 serves C requests; its τ counts the tokens of all of them).
 
     dspark bench steps --model dspark-small --configs 'none;dspark:static:7;dspark:static:7@2048'
@@ -65,23 +65,35 @@ def parse_config(name: str) -> tuple[str | None, str, int | None]:
     return drafter, policy, int(vocab) if vocab else None
 
 
-def one_pass(engine: LLMEngine, prompts: list[str], max_tokens: int, sync,
-             concurrency: int = 1) -> list[tuple[bool, float, dict, int]]:
-    """(drafted?, wall seconds, phase seconds, tokens emitted) of every step that ran, `concurrency`
-    prompts at a time."""
+def lockstep(engines: dict[str, LLMEngine], prompts: list[str], max_tokens: int, sync,
+             concurrency: int = 1) -> dict[str, list[tuple[bool, float, dict, int]]]:
+    """(drafted?, wall seconds, phase seconds, tokens emitted) of every step each engine ran, `concurrency`
+    prompts at a time. The engines take turns step by step (each round starting with the next one), so
+    a slow spell of a shared machine falls on every configuration alike, not on whichever pass it hit."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rows = []
+    rows: dict[str, list] = {name: [] for name in engines}
+    names, turn = list(engines), 0
     for i in range(0, len(prompts), concurrency):
-        for prompt in prompts[i : i + concurrency]:
-            engine.add_request(prompt, params)
-        while engine.has_unfinished():
-            t = time.perf_counter()
-            step = engine.step()
-            sync()
-            if step.ran:
-                emitted = sum(len(v) for v in step.new_tokens.values())
-                rows.append((step.drafter_ran, time.perf_counter() - t, dict(step.times), emitted))
-    return rows
+        for engine in engines.values():
+            for prompt in prompts[i : i + concurrency]:
+                engine.add_request(prompt, params)
+        while any(engine.has_unfinished() for engine in engines.values()):
+            turn += 1
+            for name in names[turn % len(names):] + names[: turn % len(names)]:
+                if engines[name].has_unfinished():
+                    rows[name].append(timed_step(engines[name], sync))
+    return {name: [r for r in rs if r is not None] for name, rs in rows.items()}
+
+
+def timed_step(engine: LLMEngine, sync) -> tuple[bool, float, dict, int] | None:
+    """One engine step, the device synchronised after it; None when it ran nothing."""
+    t = time.perf_counter()
+    step = engine.step()
+    sync()
+    if not step.ran:
+        return None
+    emitted = sum(len(v) for v in step.new_tokens.values())
+    return step.drafter_ran, time.perf_counter() - t, dict(step.times), emitted
 
 
 def summarize(rows: list[tuple[bool, float, dict, int]]) -> dict:
@@ -119,13 +131,11 @@ def run(settings: StepsSettings, out_dir: str) -> dict:
     if c < 1:
         raise ValueError("--concurrency must be at least 1")
     prompts = (prompts * -(-c // len(prompts)))[: max(c, len(prompts) // c * c)]  # whole batches of c
-    for engine in engines.values():
-        one_pass(engine, prompts[:1], 16, sync)  # warm-up: one-time costs stay out of the figures
+    lockstep(engines, prompts[:1], 16, sync)  # warm-up: one-time costs stay out of the figures
     rows: dict[str, list] = {name: [] for name in engines}
-    for r in range(settings.repeats):
-        order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
-        for name in order:
-            rows[name] += one_pass(engines[name], prompts, settings.max_tokens, sync, c)
+    for _ in range(settings.repeats):
+        for name, rs in lockstep(engines, prompts, settings.max_tokens, sync, c).items():
+            rows[name] += rs
     results = {name: summarize(rs) for name, rs in rows.items()}
     plain_ms = results["none"].get("plain", {}).get("ms")
     for res in results.values():
@@ -140,7 +150,7 @@ def markdown(payload: dict) -> str:
     s = payload["settings"]
     head = (f"# Step anatomy: model `{payload['model']}`\n\n"
             f"{s.get('concurrency', 1)} request(s) per step, greedy, exactly {s['max_tokens']} tokens for each of {s['num_prompts']} prompts from "
-            f"{', '.join(DATASETS)} (chat template), {s['repeats']} alternating passes; medians per step, device "
+            f"{', '.join(DATASETS)} (chat template), {s['repeats']} passes with the configurations stepping in turn; medians per step, device "
             "synchronised after every step. Ratios are against the plain step of `none` in this run "
             f"({report.cell(payload['plain_step_ms'], 2)} ms). A drafted step pays when its τ (tokens it emits) "
             "exceeds drafted / plain.\n\n")

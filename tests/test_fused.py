@@ -12,8 +12,9 @@ import torch
 from dspark.config import ModelConfig
 from dspark.engine.factory import build_engine
 from dspark.models import fused as fused_module
+from dspark.models.buckets import bucket
 from dspark.models.decoder import Attention, CausalLM
-from dspark.models.fused import fuse_projections
+from dspark.models.fused import Product, fuse_projections, packable
 from dspark.models.layers import Rotary, SwiGLU, apply_rope
 from dspark.models.loader import load_target, save_model
 
@@ -156,3 +157,23 @@ def test_fusing_again_keeps_current_stacks_and_restacks_moved_ones():
     attn.to(torch.float64)
     attn.fuse_projections()
     assert attn.fused is not stacked and attn.fused.current()
+
+
+def test_bucket_sizes_recur_and_pad_little():
+    assert [bucket(n) for n in (1, 16, 17, 20, 21, 33, 64, 65, 256, 257)] == [1, 16, 20, 20, 24, 40, 64, 80, 256, 257]
+    assert all(n <= bucket(n) <= 1.25 * n for n in range(1, 600))
+    assert len({bucket(n) for n in range(17, 257)}) == 16  # four sizes per octave between 16 and 256
+
+
+@pytest.mark.skipif(not packable(torch.zeros(1, dtype=torch.bfloat16)), reason="blocked products: CPU bfloat16")
+def test_a_padded_product_gives_each_row_what_the_row_alone_gets():
+    """Rows padded to their bucket (21 -> 24) come back unpadded, each exactly as a one-row product gives it."""
+    torch.manual_seed(0)
+    w = torch.randn(96, 32, dtype=torch.bfloat16)
+    product, x = Product(w, None, [w]), torch.randn(21, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        whole = product(x)
+        assert whole.shape == (21, 96)
+        for i in (0, 7, 20):
+            assert torch.equal(whole[i], product(x[i : i + 1])[0])
+        assert torch.equal(product(x.view(3, 7, 32)), whole.view(3, 7, 96))

@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from dspark.device import upload
+from dspark.models.buckets import bucket
 
 SHORT_QUERY = 16  # requests with at most this many new tokens (decode, verify) share one padded grid
 
@@ -33,7 +34,7 @@ class AttentionGroup:
     kv_blocks: torch.Tensor  # [R, B] cache block of request r's j-th block of context (0 = pad)
     mask: torch.Tensor  # [R, 1, Q, K] bool, True where query i may attend to key j
     dense: bool = False  # every request has Q new tokens, the first R*Q flat rows in order: no gather needed
-    first_block: int | None = None  # one request whose B context blocks are consecutive from this one: read in place
+    first_block: int | None = None  # one request whose context blocks are consecutive from this one: read in place
     derived: dict = field(default_factory=dict, compare=False, repr=False)  # see `grid_mask`
 
     def head_blocks(self, heads: int, num_blocks: int) -> torch.Tensor:
@@ -144,7 +145,8 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     qlens = torch.tensor(query_lens, dtype=torch.long)
     clens = torch.tensor(context_lens, dtype=torch.long)
     num_q = max(query_lens)
-    width = -(-max(context_lens) // block_size)  # whole blocks up to the longest context
+    exact = -(-max(context_lens) // block_size)  # whole blocks up to the longest context
+    width = bucket(exact)  # and a few more, masked, so the grid's shape recurs (`models/buckets.py`)
     offs = torch.arange(num_q)
     query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
     query_index = torch.where(query_valid, torch.tensor(starts, dtype=torch.long)[:, None] + offs[None, :], 0)
@@ -159,7 +161,7 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     mask = mask | ~query_valid[:, :, None] & (keys == 0)  # padded rows see key 0: no NaN
     dense = all(n == num_q for n in query_lens) and list(starts) == [i * num_q for i in range(len(starts))]
     first = block_tables[0][0] if len(block_tables) == 1 else None
-    consecutive = first is not None and list(block_tables[0][:width]) == list(range(first, first + width))
+    consecutive = first is not None and list(block_tables[0][:exact]) == list(range(first, first + exact))
     return AttentionGroup(
         dense=dense,
         first_block=first if consecutive else None,
@@ -243,8 +245,8 @@ def context_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> t
     its whole context twice per layer)."""
     r, width = group.kv_blocks.shape
     heads, d = cache.shape[0], cache.shape[-1]
-    if group.first_block is not None:  # one request in consecutive blocks: a view, no copy
-        start = group.first_block * block_size
+    start = -1 if group.first_block is None else group.first_block * block_size
+    if 0 <= start and start + width * block_size <= cache.shape[1]:  # one request in consecutive blocks: a view
         return cache[:, start : start + width * block_size].unsqueeze(1)
     blocks = cache.view(-1, block_size, d)  # [Hkv * num_blocks, block_size, D]
     picked = blocks.index_select(0, group.head_blocks(heads, blocks.shape[0] // heads))  # [Hkv*R*B, block_size, D]

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dspark.models.buckets import bucket
+
 
 def packable(weight: torch.Tensor) -> bool:
     """Whether oneDNN can hold a blocked copy of this weight (CPU, bfloat16)."""
@@ -35,7 +37,8 @@ class Product:
     once and again only after one of the layers' parameters changed in place (their version
     counters: `load_state_dict`, an optimizer step): the plain product re-blocks the weight on
     every call, which at one token costs more than the arithmetic (dspark-small's 8192 x 256
-    LM head: 92 µs plain, 43 µs blocked)."""
+    LM head: 92 µs plain, 43 µs blocked). Its rows are padded to a `bucket` size, whose kernel
+    oneDNN has most likely built already."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
         self.weight, self.bias, self.sources = weight, bias, sources
@@ -49,7 +52,13 @@ class Product:
         if self.blocked is None or versions != self.versions:
             self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight)
             self.versions = versions
-        return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
+        padded = bucket(n)  # zero rows up to a size whose kernel is built already (`models/buckets.py`)
+        if padded > n:
+            rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
+        return out[:n].view(*x.shape[:-1], out.shape[-1])
 
 
 class Fused:

@@ -405,3 +405,20 @@ def test_a_shallower_block_must_win_by_the_margin():
                        shallow_s=[0.0001])  # rates by depth: 173, 168, 150, 138 tokens/s; plain 100
     for margin, depth in ((0.0, 1), (0.05, 2), (0.5, GAMMA)):
         assert Gate(GateConfig(optimism=0.0, cut=True, depth_margin=margin), half_accepted(), prof).predict(1, [GAMMA]) == depth
+
+
+def test_probes_priced_by_what_they_were_measured_to_cost():
+    """The profile prices a probe at 0.1 plain steps (at least 5 steps apart at a 2% explore budget); one
+    measured at 3 plain steps beyond a plain one stretches the wait to 3 / 2% = 150 steps, and the
+    measurements are averaged, so a later cheap probe brings the wait back down."""
+    cfg = GateConfig(probe_every=2, probe_max=64, probe_budget=0.01, probe_ceiling=1000, explore_budget=0.02)
+    gate = Gate(cfg, stats(accept=False), profile(draft_s=0.001))
+    assert gate.probe_cost(1) == pytest.approx(0.1) and gate.shortest_interval(1) == 5
+    calls = [gate.should_draft(1, [GAMMA]) for _ in range(3)]
+    assert calls == [False, True, False] and gate.interval == 5
+    gate.observe_probe(1, 0.04)  # the plain step costs 0.01 s: this probe cost 3 more
+    assert gate.probe_cost(1) == pytest.approx(3.0) and gate.interval == 150
+    assert gate.longest_interval(1) == 300  # 3 / 1%
+    gate.observe_probe(1, 0.01)  # a probe that cost no more than a plain step
+    assert gate.probe_cost(1) == pytest.approx(1.5)
+    Gate(cfg, stats(accept=False), None).observe_probe(1, 0.04)  # no profile: nothing to price by

@@ -79,6 +79,7 @@ class Gate:
         self.depth: int | None = None  # positions to draft while open (None: the drafter's gamma)
         self.memo: tuple[tuple, int, int] | None = None  # (key, age in steps, verdict: the depth)
         self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
+        self.probe_extra: float | None = None  # what probes measured to cost beyond a plain step, in plain steps
 
     def cost(self, r: float, b: int, depth: int | None = None) -> float:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
@@ -124,11 +125,26 @@ class Gate:
         return math.ceil(self.probe_cost(num_requests) / self.cfg.explore_budget)
 
     def probe_cost(self, num_requests: int) -> float:
-        """What a probe adds to a plain step of these requests, in plain steps (from the profile)."""
+        """What a probe adds to a plain step of these requests, in plain steps: the profile's price, or
+        what probes were measured to cost where that is more (`observe_probe`)."""
         assert self.profile is not None
         k = min(self.cfg.probe_requests, num_requests)
         plain = self.profile.verify(num_requests)
-        return max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
+        priced = max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
+        return priced if self.probe_extra is None else max(priced, self.probe_extra)
+
+    def observe_probe(self, num_requests: int, seconds: float) -> None:
+        """A probe among num_requests decoding requests took these seconds, catching up included. The
+        profile prices a drafted step with the drafter's context written and every kernel warm; a probe
+        first writes the context its requests gained while the gate was closed, and its unusual shapes
+        (two verify rows beside many one-token rows) meet kernels not built yet: at 16 requests on
+        dspark-small probes cost 1.5-3 plain steps where the profile said 0.3. The measured cost is
+        folded in, and the wait for the next probe stretches to what it allows (`shortest_interval`)."""
+        if self.profile is None or num_requests < 1:
+            return
+        extra = max(0.0, seconds / self.profile.verify(num_requests) - 1.0)
+        self.probe_extra = extra if self.probe_extra is None else 0.5 * (self.probe_extra + extra)
+        self.interval = min(self.longest_interval(num_requests), max(self.interval, self.shortest_interval(num_requests)))
 
     def withheld(self, num_requests: int, gamma: int, own: Sequence[AcceptanceStats | None] = ()) -> None:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock

@@ -82,6 +82,7 @@ class SpeculativeRunner:
         own = [self.own.get(s.request.request_id) for s in decode] if self.keeps_records else []
         if decode and not drafting and self.gate is not None:
             self.gate.withheld(len(decode), self.gamma, own)
+        decoding = len(decode)
         if drafting and self.gate is not None:
             drafting = self.gate.should_draft(len(decode), caps, own)
             if drafting and self.gate.probing:
@@ -121,6 +122,8 @@ class SpeculativeRunner:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
         self._observe(drafted, batch.num_tokens, result, drafting, depth)
+        if drafting and self.gate is not None and self.gate.probing and not other_tokens:
+            self.gate.observe_probe(decoding, sum(result.times.values()))
         return result
 
     # ---- pieces ---------------------------------------------------------------------------

@@ -71,3 +71,20 @@ def test_converted_model_runs(tmp_path, qwen3_dir):
     assert spec.tokens >= 16 and spec.seconds > 0
     accept = spec.extra["accept"]
     assert accept != accept or accept > 0.9  # a model drafting for itself (nan: its draft confidence never passed)
+
+
+def test_a_run_whose_log_lost_its_timing_is_run_again(tmp_path):
+    """A run whose log lacks the timing summary is run again (up to three runs in all) before the error stands."""
+    calls, log = tmp_path / "calls", tmp_path / "log.txt"
+    log.write_text(COMPLETION_LOG)
+    late, never = tmp_path / "late", tmp_path / "never"
+    late.write_text(f"#!/bin/sh\necho x >> {calls}\n[ $(wc -l < {calls}) -ge 2 ] && cat {log} >&2\nexit 0\n")
+    never.write_text(f"#!/bin/sh\necho x >> {calls}\n")
+    late.chmod(0o755)
+    never.chmod(0o755)
+    _, (seconds, prompt, runs) = llamacpp.parsed_run([str(late)], llamacpp.parse_completion)
+    assert calls.read_text().count("x") == 2 and (prompt, runs) == (32, 127)
+    calls.unlink()
+    with pytest.raises(RuntimeError, match="no timing of the prompt"):
+        llamacpp.parsed_run([str(never)], llamacpp.parse_completion)
+    assert calls.read_text().count("x") == 3

@@ -105,8 +105,8 @@ class NeuralDrafter(nn.Module, Drafter):
     # ---- drawing a block left to right ----------------------------------------------------
     def draw(self, logits: torch.Tensor, rows: SamplingRows, generators) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft token per row of draft logits [R, V] (or [R, N]) -> (token ids [R], the
-        distribution it was drawn from; None when every row is greedy: its one-hot is built once
-        for the whole block by `block_probs`, not once per position)."""
+        distribution it was drawn from; None when every row is greedy: each token is certain, and
+        the block carries no distributions, `block_probs`)."""
         index, p = self.pick(logits, rows, generators)
         return self.token_ids(index), p
 

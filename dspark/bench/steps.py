@@ -80,9 +80,10 @@ def lockstep(engines: dict[str, LLMEngine], prompts: list[str], max_tokens: int,
         while any(engine.has_unfinished() for engine in engines.values()):
             turn += 1
             for name in names[turn % len(names):] + names[: turn % len(names)]:
-                if engines[name].has_unfinished():
-                    rows[name].append(timed_step(engines[name], sync))
-    return {name: [r for r in rs if r is not None] for name, rs in rows.items()}
+                row = timed_step(engines[name], sync) if engines[name].has_unfinished() else None
+                if row is not None:
+                    rows[name].append(row)
+    return rows
 
 
 def timed_step(engine: LLMEngine, sync) -> tuple[bool, float, dict, int] | None:

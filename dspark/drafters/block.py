@@ -114,7 +114,7 @@ class BlockDrafter(NeuralDrafter):
                 bias, _, state = self.head.step(hidden[:, k], prev, state)
                 logits = logits + bias.float()
             index, p = self.pick(logits, rows, generators)
-            if table is None:
+            if self.head is not None and table is None:  # the head's next step reads x_{k-1} as a token id
                 prev = self.token_ids(index)
             picks.append(index)
             probs.append(p)

@@ -84,7 +84,7 @@ class SpeculativeRunner:
             self.gate.withheld(len(decode), self.gamma, own)
         decoding = len(decode)
         if drafting and self.gate is not None:
-            drafting = self.gate.should_draft(len(decode), caps, own)
+            drafting = self.gate.should_draft(decoding, caps, own)
             if drafting and self.gate.probing:
                 decode = self.gate.probe_subset(decode, self.steps)
                 caps = [s.num_lookahead for s in decode]

@@ -129,22 +129,24 @@ def test_the_engine_fuses_the_target_and_its_hidden_states_stay(qwen3_dir):
     torch.testing.assert_close(fused, apart)
 
 
-def test_the_blocked_bfloat16_product_follows_the_weights():
-    if not fused_module.packable(torch.ones(1, dtype=torch.bfloat16)):
-        pytest.skip("no oneDNN bfloat16 on this CPU build")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_product_follows_the_weights(dtype):
+    if not fused_module.packable(torch.ones(1, dtype=dtype)):
+        pytest.skip(f"no oneDNN {dtype} on this CPU build")
     torch.manual_seed(0)
-    net = CausalLM(tiny_config()).to(torch.bfloat16)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    net = CausalLM(tiny_config()).to(dtype)
     fuse_projections(net)
-    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    x = torch.randn(3, 32, dtype=dtype)  # three rows: the blocked product in either dtype
     attn = net.model.layers[0].self_attn
     with torch.no_grad():
         for g, w in zip(attn.project(x), separate(attn, x), strict=True):
-            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
-        net.load_state_dict(CausalLM(tiny_config()).to(torch.bfloat16).state_dict())  # in place: re-blocked
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
+        net.load_state_dict(CausalLM(tiny_config()).to(dtype).state_dict())  # in place: re-blocked
         for g, w in zip(attn.project(x), separate(attn, x), strict=True):
-            torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(g, w, atol=tol, rtol=tol)
         head = net.logits(x)
-        torch.testing.assert_close(head, net.lm_head(net.model.norm(x)).float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(head, net.lm_head(net.model.norm(x)).float(), atol=tol, rtol=tol)
 
 
 def test_fusing_again_keeps_current_stacks_and_restacks_moved_ones():

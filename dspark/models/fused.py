@@ -10,8 +10,8 @@ target, a neural drafter its own layers when bound to the target), and each laye
 a view of the stacked tensor, so checkpoints, `state_dict`, `load_state_dict` and in-place
 updates see the same parameters as before. Every product a served layer runs (the fused
 ones, and the output, down and LM-head projections alone) goes through `Product`, which on
-CPU in bfloat16 keeps oneDNN's blocked copy of the weight beside it: the weights twice in
-memory, for a product that does not re-block its weight on every call.
+CPU keeps oneDNN's blocked copy of the weight beside it: the weights twice in memory, for a
+product that does not re-block its weight on every call.
 
 The stacked product runs only without autograd (a gradient would reach the stacked tensor,
 not the layers' parameters) and only while every layer still views it: after a `.to()` each
@@ -28,17 +28,24 @@ from dspark.models.buckets import bucket
 
 
 def packable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold a blocked copy of this weight (CPU, bfloat16)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """Whether oneDNN can hold a blocked copy of this weight: on CPU, float32, or bfloat16 where
+    oneDNN has a bfloat16 path (AVX512 or AVX-NE-CONVERT; an AVX2 CPU refuses to block it)."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.float32
 
 
 class Product:
-    """x @ weight.T + bias. On CPU in bfloat16 through oneDNN's blocked copy of the weight, made
-    once and again only after one of the layers' parameters changed in place (their version
-    counters: `load_state_dict`, an optimizer step): the plain product re-blocks the weight on
-    every call, which at one token costs more than the arithmetic (dspark-small's 8192 x 256
-    LM head: 92 µs plain, 43 µs blocked). Its rows are padded to a `bucket` size, whose kernel
-    oneDNN has most likely built already."""
+    """x @ weight.T + bias. On CPU through oneDNN's blocked copy of the weight, made once and
+    again only after one of the layers' parameters changed in place (their version counters:
+    `load_state_dict`, an optimizer step): the plain product re-blocks the weight on every
+    call, which at a few rows costs more than the arithmetic when the weights stream from
+    memory (dspark-small's 8192 x 256 LM head, bfloat16, one row: 92 µs plain, 43 µs blocked;
+    float32 on an AVX2 CPU, 8 rows: 1.7 ms plain, 0.56 ms blocked). Its rows are padded to a
+    `bucket` size, whose kernel oneDNN has most likely built already. One float32 row keeps the
+    plain product: there the blocked one made a plain decoding step no faster (AVX2 CPU)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
         self.weight, self.bias, self.sources = weight, bias, sources
@@ -46,19 +53,26 @@ class Product:
         self.versions: list[int] = []  # the sources' versions when blocked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not packable(self.weight) or torch.is_grad_enabled():
+        if x.dtype != self.weight.dtype or not packable(self.weight) or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        versions = [p._version for p in self.sources]
-        if self.blocked is None or versions != self.versions:
-            self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-            self.versions = versions
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]
+        if n == 1 and x.dtype == torch.float32:
+            return F.linear(x, self.weight, self.bias)
+        self.refresh()
         padded = bucket(n)  # zero rows up to a size whose kernel is built already (`models/buckets.py`)
         if padded > n:
             rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
         return out[:n].view(*x.shape[:-1], out.shape[-1])
+
+    def refresh(self) -> None:
+        """The blocked copy made anew when missing or when a source changed in place since."""
+        versions = [p._version for p in self.sources]
+        if self.blocked is not None and versions == self.versions:
+            return
+        self.blocked = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+        self.versions = versions
 
 
 class Fused:

@@ -20,6 +20,8 @@ layer owns new storage, and the layers run apart until they are fused again.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -27,14 +29,18 @@ from torch.nn import functional as F
 from dspark.models.buckets import bucket
 
 
+@functools.cache
+def _blockable_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes this CPU's oneDNN can block: float32, and bfloat16 where oneDNN has a bfloat16
+    path (AVX512 or AVX-NE-CONVERT; an AVX2 CPU refuses to block it). Asked once, not per product."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
 def packable(weight: torch.Tensor) -> bool:
-    """Whether oneDNN can hold a blocked copy of this weight: on CPU, float32, or bfloat16 where
-    oneDNN has a bfloat16 path (AVX512 or AVX-NE-CONVERT; an AVX2 CPU refuses to block it)."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32
+    """Whether oneDNN can hold a blocked copy of this weight (on CPU, in a dtype it can block)."""
+    return weight.device.type == "cpu" and weight.dtype in _blockable_dtypes()
 
 
 class Product:
@@ -42,10 +48,10 @@ class Product:
     again only after one of the layers' parameters changed in place (their version counters:
     `load_state_dict`, an optimizer step): the plain product re-blocks the weight on every
     call, which at a few rows costs more than the arithmetic when the weights stream from
-    memory (dspark-small's 8192 x 256 LM head, bfloat16, one row: 92 µs plain, 43 µs blocked;
-    float32 on an AVX2 CPU, 8 rows: 1.7 ms plain, 0.56 ms blocked). Its rows are padded to a
-    `bucket` size, whose kernel oneDNN has most likely built already. One float32 row keeps the
-    plain product: there the blocked one made a plain decoding step no faster (AVX2 CPU)."""
+    memory (dspark-small's 8192 x 256 LM head, bfloat16, one row: 92 µs plain, 43 µs blocked).
+    Its rows are padded to a `bucket` size, whose kernel oneDNN has most likely built already.
+    One float32 row keeps the plain product: there the blocked one made a plain decoding step
+    no faster (AVX2 CPU)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
         self.weight, self.bias, self.sources = weight, bias, sources
@@ -53,18 +59,23 @@ class Product:
         self.versions: list[int] = []  # the sources' versions when blocked
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or not packable(self.weight) or torch.is_grad_enabled():
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        n = rows.shape[0]
-        if n == 1 and x.dtype == torch.float32:
+        if not self.blocks(x):
             return F.linear(x, self.weight, self.bias)
         self.refresh()
+        rows = x.reshape(-1, x.shape[-1])
+        n = rows.shape[0]
         padded = bucket(n)  # zero rows up to a size whose kernel is built already (`models/buckets.py`)
         if padded > n:
             rows = torch.cat([rows, rows.new_zeros(padded - n, rows.shape[1])])
         out = torch.ops.mkldnn._linear_pointwise(rows, self.blocked, self.bias, "none", [], "")
         return out[:n].view(*x.shape[:-1], out.shape[-1])
+
+    def blocks(self, x: torch.Tensor) -> bool:
+        """Whether x goes through the blocked copy: no autograd, x in the weight's blockable
+        dtype, and in float32 more than one row."""
+        one_row = x.numel() == x.shape[-1]
+        return (x.dtype == self.weight.dtype and packable(self.weight) and not torch.is_grad_enabled()
+                and not (one_row and x.dtype == torch.float32))
 
     def refresh(self) -> None:
         """The blocked copy made anew when missing or when a source changed in place since."""

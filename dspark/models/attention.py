@@ -46,17 +46,15 @@ class AttentionGroup:
             self.derived[key] = torch.cat([flat + h * num_blocks for h in range(heads)])
         return self.derived[key]
 
-    def grid_mask(self, rep: int, additive: bool) -> torch.Tensor:
-        """The mask with each KV head's `rep` query heads folded into the query axis
-        [R, 1, rep*Q, K]: bool, or float32 0 / -inf to add to scores. Derived once per step (every
-        layer reads the same one; repeating it in each layer cost ~1.5 ms of a 30 ms step)."""
-        key = (rep, additive)
-        if key not in self.derived:
+    def grid_mask(self, rep: int) -> torch.Tensor:
+        """The mask with each KV head's `rep` query heads folded into the query axis [R, 1, rep*Q, K], as
+        float32 0 / -inf to add to scores. Derived once per step (every layer reads the same one; repeating
+        it in each layer cost ~1.5 ms of a 30 ms step)."""
+        if rep not in self.derived:
             mask = self.mask.repeat(1, 1, rep, 1) if rep > 1 else self.mask
-            if additive:
-                mask = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(~mask, float("-inf"))
-            self.derived[key] = mask
-        return self.derived[key]
+            self.derived[rep] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+                ~mask, float("-inf"))
+        return self.derived[rep]
 
 
 @dataclass(frozen=True)
@@ -209,7 +207,7 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # GQA without copying K/V: each KV head's query group on the query axis [Hkv, R, rep*Q, D]
     qp = qp.view(r, nq, kv_heads, rep, d).permute(2, 0, 3, 1, 4).reshape(kv_heads, r, rep * nq, d)
     kp, vp = context_kv(k_cache, group, block_size), context_kv(v_cache, group, block_size)  # [Hkv, R, K, D]
-    out = _attend(qp, kp, vp, group.grid_mask(rep, additive=q.dtype != torch.float32)[:, 0])  # [Hkv, R, rep*Q, D]
+    out = _attend(qp, kp, vp, group.grid_mask(rep)[:, 0])  # [Hkv, R, rep*Q, D]
     out = out.view(kv_heads, r, rep, nq, d).permute(1, 3, 0, 2, 4).reshape(r * nq, heads, d)  # [R*Q, H, D]
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
     return out if group.dense else out[group.query_rows]
@@ -217,8 +215,8 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
     """q [Hkv, R, M, D] against k, v [Hkv, R, K, D] -> [Hkv, R, M, D]; `mask` [R, M, K] (every head's) is
-    bool in float32 (the fused kernel's), else float32 0 / -inf added to the scores (the same as filling
-    -inf). In reduced precision it is written as two batched matrix products with the softmax in float32,
+    float32 0 / -inf added to the scores (the same as filling -inf; made once per step, where a bool mask
+    made the fused kernel of float32 convert it in every layer). In reduced precision it is written as two batched matrix products with the softmax in float32,
     over tiles of query rows: a fused kernel blocks its work by the number of queries, so a row's result
     depended on how many rows shared its forward (a verify row rounded differently from the plain step
     it replaces, a prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted.

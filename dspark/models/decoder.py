@@ -50,6 +50,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.fused: Fused | None = None  # q, k and v as one product (`fuse_projections`)
         self.fused_out: Fused | None = None  # o_proj's product
+        self.stacked_qk: tuple[tuple, torch.Tensor] | None = None  # (versions, weight) of `qk_weight`
 
     def fuse_projections(self) -> None:
         self.fused = refresh(self.fused, self.q_proj, self.k_proj, self.v_proj)
@@ -81,8 +82,16 @@ class Attention(nn.Module):
         Llama has none). Per head what q_norm and k_norm give: a kernel call each saved in every layer."""
         if not self.qk_norm:
             return qk
-        weight = torch.cat([self.q_norm.weight.expand(self.heads, -1), self.k_norm.weight.expand(self.kv_heads, -1)])
-        return weight * normalized(qk, self.q_norm.eps)
+        return self.qk_weight() * normalized(qk, self.q_norm.eps)
+
+    def qk_weight(self) -> torch.Tensor:
+        """[H + Hkv, D]: q_norm's weight for each q head, then k_norm's for each k head; stacked again only
+        after either changed (their version counters and storage), not in every layer of every step."""
+        q, k = self.q_norm.weight, self.k_norm.weight
+        key = (q._version, k._version, q.data_ptr(), k.data_ptr())
+        if self.stacked_qk is None or self.stacked_qk[0] != key:
+            self.stacked_qk = (key, torch.cat([q.expand(self.heads, -1), k.expand(self.kv_heads, -1)]).detach())
+        return self.stacked_qk[1]
 
     def forward(self, x, cos, sin, meta: AttentionMetadata | None, kv: KVLayer | None) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)

@@ -12,6 +12,7 @@ The fast tests cover argument handling and the metrics merge without starting Ra
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -84,6 +85,11 @@ def test_merge_metrics_labels_each_replica():
     assert merged.count("# TYPE dspark_generation_tokens_total counter") == 1  # one header per family
 
 
+# Ray Serve declares its HTTP proxy dead when a readiness check takes over 5 s (health checks: 10 s), so on a
+# busy 2-core machine the cluster failed to start at all: the verdict hung on the machine's load
+PATIENT_SERVE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "120"}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,13 +100,18 @@ def free_port() -> int:
 def cluster(qwen3_dir):
     port = free_port()
     threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": threads})
+    saved = {k: os.environ.get(k) for k in PATIENT_SERVE}
+    os.environ.update(PATIENT_SERVE)  # the local cluster's processes inherit them
+    ray.init(address="local", num_cpus=2, include_dashboard=False,
+             runtime_env={"env_vars": {**threads, **PATIENT_SERVE}})
     try:
         deploy(serve_args(qwen3_dir, port, "--replicas", "2", "--api-key", KEY, "--metrics-auth"))
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.update({k: v})
 
 
 def completion(client, stream: bool) -> tuple[str, str, str]:

@@ -102,12 +102,12 @@ def calibrated(conf_logits: torch.Tensor, greedy: tuple[bool, ...], sampled_t: t
                greedy_t: tuple[float, ...]) -> torch.Tensor:
     """conf_logits [R, g] -> confidences, each row with its own kind's temperatures: greedy rows
     (greedy[r]) with greedy_t where there are any, the others with sampled_t."""
+    if greedy_t and all(greedy):
+        return apply_sts(conf_logits, greedy_t)
     sampled = apply_sts(conf_logits, sampled_t)
     if not greedy_t or not any(greedy):
         return sampled
     fitted = apply_sts(conf_logits, greedy_t)
-    if all(greedy):
-        return fitted
     return torch.where(upload(greedy, conf_logits.device, torch.bool)[:, None], fitted, sampled)
 
 

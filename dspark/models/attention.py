@@ -219,12 +219,12 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256) -> torch.Tensor:
     """q [Hkv, R, M, D] against k, v [Hkv, R, K, D] -> [Hkv, R, M, D]; `mask` [R, M, K] (every head's) is
     float32 0 / -inf added to the scores (the same as filling -inf; made once per step, where a bool mask
-    made the fused kernel of float32 convert it in every layer). In reduced precision it is written as two batched matrix products with the softmax in float32,
-    over tiles of query rows: a fused kernel blocks its work by the number of queries, so a row's result
-    depended on how many rows shared its forward (a verify row rounded differently from the plain step
-    it replaces, a prefill chunk from the same tokens chunked otherwise) and greedy outputs drifted.
-    Written out, every row is computed the same way whatever the others are; tiles bound the scores
-    held at once."""
+    made float32's fused kernel convert it in every layer). In reduced precision it is written as two
+    batched matrix products with the softmax in float32, over tiles of query rows: a fused kernel blocks
+    its work by the number of queries, so a row's result depended on how many rows shared its forward (a
+    verify row rounded differently from the plain step it replaces, a prefill chunk from the same tokens
+    chunked otherwise) and greedy outputs drifted. Written out, every row is computed the same way whatever
+    the others are; tiles bound the scores held at once."""
     if q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
     h, r, m, d = q.shape

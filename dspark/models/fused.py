@@ -65,7 +65,7 @@ class Product:
         self.refresh()
         n = x.shape[0]
         if x.dim() == 2 and bucket(n) == n:  # flat rows of a built size, the usual case, passed as they are:
-            # each reshape, pad or slice around the kernel cost about a microsecond more per product
+            # the reshape, slice and view around the kernel made a 2-token verify step 1.2 ms slower (97 products)
             return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
         rows = x.reshape(-1, x.shape[-1])
         n = rows.shape[0]

@@ -111,7 +111,10 @@ def cluster(qwen3_dir):
         serve.shutdown()
         ray.shutdown()
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.update({k: v})
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def completion(client, stream: bool) -> tuple[str, str, str]:

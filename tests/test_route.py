@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark.config import EngineConfig
-from dspark.drafters.base import save_drafter
+from dspark.drafters.base import ProposeInput, save_drafter
 from dspark.drafters.registry import load_drafter, new_config, new_drafter
 from dspark.drafters.route import RoutedDrafter, route
 from dspark.engine.engine import LLMEngine
@@ -96,6 +96,7 @@ def test_greedy_identical_with_routing_and_stats_name_the_drafters(qwen3_dir, po
         assert sum(o.stats["accepted_tokens_by"].values()) == o.stats["accepted_tokens"]
     assert engine.kv.pool.num_used_blocks == 0 and engine.drafter.cache_bytes_in_use() == 0
     assert not engine.drafter.waiting and not engine.drafter.copy.seqs
+    assert not engine.drafter.idle and not engine.drafter.interval
 
 
 def test_a_neural_drafter_that_promises_more_than_it_delivers_loses_its_requests(qwen3_dir):
@@ -111,6 +112,34 @@ def test_a_neural_drafter_that_promises_more_than_it_delivers_loses_its_requests
     share = [sum(o.stats["draft_tokens_by"].get("dspark", 0) for o in outs) / sum(o.stats["draft_tokens"] for o in outs)
              for outs in (early, late)]
     assert share[1] < share[0], share
+
+
+def bare_router(qwen3_dir, **kw) -> RoutedDrafter:
+    net, _ = load_model(qwen3_dir)
+    torch.manual_seed(0)
+    return RoutedDrafter(new_drafter(new_config("dspark", net.config)),
+                         new_drafter(new_config("suffix", net.config, 0)), **kw)
+
+
+def test_a_request_the_router_stopped_drafting_for_is_probed_at_doubling_intervals(qwen3_dir):
+    """The neural drafter's estimate is tested again: a request copied for `probe_every` steps is routed
+    to it once, the next probe comes twice as late (up to probe_max), and a win on merit resets the wait."""
+    router = bare_router(qwen3_dir, probe_every=2, probe_max=8)
+    inputs = [ProposeInput("a", 1, 3, [0, 0, 0, 1])]
+    probes = [s for s in range(40) if router.explore(inputs, []) == [0]]
+    assert probes == [1, 5, 13, 21, 29, 37]  # waits of 2, 4, 8, then capped at 8
+    assert router.explore(inputs, [0]) == [0] and router.interval["a"] == 2  # chosen on merit: the wait resets
+    assert [s for s in range(6) if router.explore(inputs, []) == [0]] == [1, 5]
+
+
+def test_probes_per_step_are_capped_and_the_longest_waiting_goes_first(qwen3_dir):
+    router = bare_router(qwen3_dir, probe_every=3, probe_max=3)
+    inputs = [ProposeInput(sid, 1, 3, [0, 0, 0, 1]) for sid in "abc"]
+    router.explore(inputs[:1], [])  # "a" arrived a step earlier
+    steps = [router.explore(inputs, []) for _ in range(6)]
+    assert steps[0] == [] and steps[1] == [0] and steps[2] == [1] and all(len(s) <= 1 for s in steps)
+    assert [i for s in steps for i in s].count(2) >= 1  # every request gets its turn
+    assert router.explore(inputs, [1, 2]) in ([1, 2], [0, 1, 2])  # chosen ones stay; at most one probe is added
 
 
 # ---- the output distribution through the engine ---------------------------------------------

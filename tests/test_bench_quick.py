@@ -54,6 +54,7 @@ def test_peers_quick(tmp_path, monkeypatch):
     assert "transformers generate" in systems and len(systems) >= 4
     assert "transformers assisted (dspark-tiny)" in systems
     assert "dspark ngram:dspark" in systems  # the engine's prompt lookup beside transformers'
+    assert "dspark auto:dspark" in systems  # and its router between the DSpark and the suffix drafter
     assert all(r["tokens"] > 0 for r in res["rows"])
     greedy = [r for r in res["rows"] if r.get("greedy_match_fraction") is not None and "lookup" not in r["system"]]
     assert greedy and all(r["greedy_match_fraction"] == 1.0 for r in greedy)  # lossless against transformers

@@ -94,6 +94,17 @@ def test_finished_requests_feed_the_store_and_the_store_is_bounded():
     assert propose(d, "b", [5, 6, 20, 21], anchor=22).num_valid == [0]
 
 
+def test_forget_empties_the_store_and_keeps_live_requests():
+    d = drafter()
+    feed(d, "a", [20, 21, 22, 23, 24, 25])
+    d.free("a")
+    feed(d, "b", [5, 6, 20, 21])
+    assert propose(d, "b", [5, 6, 20, 21], anchor=22).num_valid != [0]  # copied from "a"
+    d.forget()
+    assert d.store.size == 0 and not d.store.index and "b" in d.seqs
+    assert propose(d, "b", [5, 6, 20, 21], anchor=22).num_valid == [0]
+
+
 def test_profile_measurements_do_not_enter_the_store():
     d = drafter()
     propose(d, "__profile0", [1] * 40, anchor=1)  # history given, never extended: a throw-away context

@@ -5,12 +5,13 @@
     dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
     dspark bench peers --model dspark-small --assistant dspark-tiny
 
-Six systems (seven with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+Seven systems (eight with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
 when no drafter is shipped for the model, `ngram` stands in and the report says so), and this
-engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers'), and
+engine's own prompt lookup under the DSpark scheduler (`ngram:dspark`, beside transformers') and its
+router between the default drafter and the suffix drafter (`auto:dspark`, `drafters/route.py`), and
 with `--assistant MODEL` transformers' assisted generation with that smaller model of the same
 tokenizer as its draft model (what a CPU user would try first); with `--llama-cpp DIR` also llama.cpp
 plainly and (with `--assistant`) with that model as its draft model (bench/llamacpp.py). Runs
@@ -83,10 +84,18 @@ def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
 
 
 def engine_system(engine, max_tokens: int):
+    """One greedy request alone. A copy drafter first forgets earlier requests (`Drafter.forget`): every
+    prompt runs once per pass, and a store holding the last pass's answer would copy it whole."""
     from dspark.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return lambda ids: engine.run_until_done([engine.add_request(ids, params)])[0].token_ids
+
+    def system(ids):
+        if engine.drafter is not None:
+            engine.drafter.forget()
+        return engine.run_until_done([engine.add_request(ids, params)])[0].token_ids
+
+    return system
 
 
 def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, **extra):
@@ -160,9 +169,10 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     if s.assistant:
         systems[f"transformers assisted ({Path(str(s.assistant)).name})"] = hf_system(
             hf, s.max_tokens, pad, assistant=assistant_model(s.assistant, tok, cfg))
-    if drafter != "ngram":  # this engine's own prompt lookup, beside transformers'
-        systems["dspark ngram:dspark"] = engine_system(build_engine(path, "ngram", "dspark", cfg, profile=s.profile),
-                                                       s.max_tokens)
+    if drafter != "ngram":  # this engine's own prompt lookup, beside transformers', and its router
+        for copier in ("ngram", "auto"):
+            systems[f"dspark {copier}:dspark"] = engine_system(build_engine(path, copier, "dspark", cfg,
+                                                                            profile=s.profile), s.max_tokens)
     if s.llama_cpp:
         systems.update(llama_systems(s, path, tok))
     names = list(systems)

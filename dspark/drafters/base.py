@@ -214,6 +214,10 @@ class Drafter(ABC):
     def cache_bytes_in_use(self) -> int:
         return 0
 
+    def forget(self) -> None:
+        """Drop what was learned from finished requests' tokens (a copy drafter's store), so the next
+        request is drafted as if it came first (benchmarks that run one prompt several times)."""
+
 
 def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | Path) -> None:
     """config.json + model.safetensors (only the drafter's own weights)."""

@@ -140,6 +140,9 @@ class RoutedDrafter(Drafter):
     def cache_bytes_in_use(self) -> int:
         return self.neural.cache_bytes_in_use()
 
+    def forget(self) -> None:
+        self.copy.forget()
+
     @property
     def cuts_exactly(self) -> bool:
         return self.neural.cuts_exactly

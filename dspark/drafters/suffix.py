@@ -155,6 +155,9 @@ class SuffixDrafter(Drafter):
         if seq is not None and seq.served:  # never the throw-away contexts of a profile measurement
             self.store.add(seq.tokens)
 
+    def forget(self) -> None:
+        self.store = Store(self.config.suffix_store, self.config.suffix_depth)
+
     # ---- drafting ---------------------------------------------------------------------------
     def lookup(self, seq: Context, tail: list[int]) -> tuple[int, dict[int, int]]:
         """(match length, continuation counts) of the longest n-gram ending `tail` in either index."""

@@ -142,6 +142,16 @@ def test_probes_per_step_are_capped_and_the_longest_waiting_goes_first(qwen3_dir
     assert router.explore(inputs, [1, 2]) in ([1, 2], [0, 1, 2])  # chosen ones stay; at most one probe is added
 
 
+def test_probes_that_start_the_drafter_alone_are_spaced_by_their_cost(qwen3_dir):
+    router = bare_router(qwen3_dir, probe_every=1, probe_max=1, probe_budget=0.01)
+    router.set_profile(StepProfile("dear", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 64], draft_s=[0.1, 0.1]))
+    inputs = [ProposeInput("a", 1, 3, [0, 0, 0, 1])]
+    alone = [s for s in range(40) if router.explore(inputs, []) == [0]]
+    assert alone == [9, 19, 29, 39]  # a proposal of 0.1 plain steps: at most one per 10 steps
+    inputs.append(ProposeInput("b", 1, 3, [0, 0, 0, 1]))
+    assert router.explore(inputs, [1]) == [0, 1]  # riding along with a request chosen on merit: no wait
+
+
 # ---- the output distribution through the engine ---------------------------------------------
 V, TOKENS, N = 8, 3, 3000
 PROMPT = [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6]  # the suffix drafter finds matches, DSpark drafts too

@@ -21,7 +21,9 @@ neural expectation at 0.24 tokens for a single code request on dspark-small, and
 copied for its remaining 90 steps (τ 1.38) where the DSpark drafter alone reached τ 1.64. So a
 request the neural drafter has not drafted for in `probe_every` steps is routed to it once (a probe,
 at most `probes_per_step` requests per step, the longest-waiting first), and its interval doubles up to
-`probe_max` each time a probe is not followed by a win on merit.
+`probe_max` each time a probe is not followed by a win on merit. A probe rides along free where the
+neural drafter runs for others anyway; where it would start the drafter for nobody else, probes are
+spaced so that their proposals cost at most `probe_budget` of the plain steps between them.
 
 The choice reads only the deterministic copy proposal and earlier steps, never this step's
 sampled neural tokens, and each request's block is verified against the distribution it was
@@ -30,6 +32,7 @@ drawn from, so the output distribution is the target's (tests/test_route.py).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -67,7 +70,7 @@ def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile |
 
 class RoutedDrafter(Drafter):
     def __init__(self, neural: Drafter, copy: SuffixDrafter, smoothing: float = 0.5, probe_every: int = 8,
-                 probe_max: int = 64, probes_per_step: int = 1) -> None:
+                 probe_max: int = 64, probes_per_step: int = 1, probe_budget: float = 0.01) -> None:
         if not neural.has_confidence:
             raise ValueError(f"routing needs the neural drafter's confidences; {neural.config.kind} has no head")
         self.neural, self.copy, self.smoothing = neural, copy, smoothing
@@ -79,6 +82,8 @@ class RoutedDrafter(Drafter):
         self.kept, self.promised = 0.0, 0.0  # decayed sums behind kappa
         self.profile: StepProfile | None = None
         self.probe_every, self.probe_max, self.probes_per_step = probe_every, probe_max, probes_per_step
+        self.probe_budget = probe_budget
+        self.quiet = 0  # steps since the neural drafter last ran
         self.idle: dict[str, int] = {}  # per request: steps since the neural drafter last drafted for it
         self.interval: dict[str, int] = {}  # per request: steps between probes
 
@@ -189,11 +194,22 @@ class RoutedDrafter(Drafter):
             self.idle[sid] = self.idle.get(sid, 0) + 1
             if self.idle[sid] >= self.interval.setdefault(sid, self.probe_every):
                 due.append(r)
-        due.sort(key=lambda r: -self.idle[inputs[r].seq_id])
-        for r in due[: self.probes_per_step]:
+        self.quiet = 0 if merit else self.quiet + 1
+        if not due or (not merit and self.quiet < self.probe_spacing(len(inputs))):
+            return sorted(merit)
+        probes = sorted(due, key=lambda r: -self.idle[inputs[r].seq_id])[: self.probes_per_step]
+        for r in probes:
             sid = inputs[r].seq_id
             self.idle[sid], self.interval[sid] = 0, min(self.probe_max, 2 * self.interval[sid])
-        return sorted(merit.union(due[: self.probes_per_step]))
+        self.quiet = 0
+        return sorted(merit.union(probes))
+
+    def probe_spacing(self, num_requests: int) -> int:
+        """The fewest steps between probes that start the neural drafter for nobody else: a proposal
+        for one request costs at most `probe_budget` of the plain steps between them (from the profile)."""
+        if self.profile is None or not self.probe_budget:
+            return 1
+        return math.ceil(self.profile.draft(1) / (self.probe_budget * self.profile.verify(num_requests)))
 
     @property
     def kappa(self) -> float:

@@ -214,7 +214,7 @@ class Drafter(ABC):
     def cache_bytes_in_use(self) -> int:
         return 0
 
-    def forget(self) -> None:
+    def forget(self) -> None:  # noqa: B027 (optional: most drafters keep nothing across requests)
         """Drop what was learned from finished requests' tokens (a copy drafter's store), so the next
         request is drafted as if it came first (benchmarks that run one prompt several times)."""
 

@@ -211,6 +211,47 @@ def test_a_machine_slowed_by_a_neighbour_does_not_open_the_gate():
     assert gate.predict(1, [GAMMA])  # ... are what may open it
 
 
+def slowed_spell(prof: StepProfile, timed_forward: bool) -> None:
+    """The machine runs 1.5x slower than at start-up while the gate is open (drafted steps only: a
+    request's forward of 5 tokens, drafts included, and its proposal, each 1.5x their profile), then
+    closes and takes plain steps, as slow. `timed_forward`: the engine times the forward inside steps."""
+    fwd = 1.5 * prof.verify_s[0]  # the profile's forward is flat from 1 to 8 tokens
+    for _ in range(200):
+        prof.observe_drafted(1, 5, fwd + 1.5 * prof.draft_s[0], forward=fwd if timed_forward else None)
+    for _ in range(200):
+        prof.observe_plain(1, fwd, forward=fwd if timed_forward else None)
+
+
+@pytest.mark.parametrize("timed_forward", [True, False])
+def test_a_slow_spell_seen_while_drafting_is_not_counted_twice_once_closed(timed_forward):
+    """Drafting pays at the profiled costs; a slowdown of the whole machine does not change that. Timing
+    the forward inside drafted steps keeps the machine scale fresh while the gate is open, so the drafted
+    correction stays near 1 and the verdict stays open after the plain steps. Without it (the control),
+    the drafted correction takes in the slowdown, the plain steps then raise the machine scale as well,
+    and drafting is priced 1.5 x 1.5 times its profile: the gate closes where drafting still pays."""
+    s = AcceptanceStats(GAMMA)
+    for _ in range(60):
+        for n in [0] * 6 + [1] * 3 + [2]:  # half a token gained per drafted step: pays at 1.2 plain steps, not 1.8
+            s.update([GAMMA], [n])
+    prof = StepProfile("test", tokens=[1, 8, 64], verify_s=[0.02, 0.02, 0.05], requests=[1, 8], draft_s=[0.004] * 2)
+    gate = Gate(GateConfig(probe_every=10**6, caution=0.0), s, prof)
+    assert gate.predict(1, [GAMMA])
+    slowed_spell(prof, timed_forward)
+    if timed_forward:
+        assert abs(prof.verify_scale - 1.5) < 0.01 and abs(prof.spec_scale - 1.0) < 0.01
+        assert abs(prof.plain_scale - 1.0) < 0.01 and gate.predict(1, [GAMMA])
+    else:
+        assert prof.spec_scale > 1.4 and abs(prof.verify_scale - 1.5) < 0.01 and not gate.predict(1, [GAMMA])
+
+
+def test_plain_steps_host_work_is_priced_on_top_of_their_forward():
+    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.02, 0.03], requests=[1, 8], draft_s=[0.004] * 2)
+    for _ in range(300):
+        prof.observe_plain(1, 0.024, forward=0.02)  # the forward as profiled, 4 ms of host work around it
+    assert abs(prof.verify_scale - 1.0) < 1e-3 and abs(prof.plain_scale - 1.2) < 1e-3
+    assert abs(prof.verify(1) - 0.024) < 1e-4 and abs(prof.draft(1) - 0.004) < 1e-6  # the drafter: machine only
+
+
 def test_a_profile_cached_with_per_bucket_corrections_still_loads():
     import json
 

@@ -4,15 +4,21 @@ for R requests, so schedulers maximise tokens per second of the whole step.
 Measured at engine start (warm-up, then timed runs on a grid up to the token budget, at a
 representative context length), interpolated, cached on disk per model / drafter / device
 / dtype / threads, and corrected while serving, since a start-up profile drifts with heat,
-context and load. Both corrections compare whole engine steps (draft, forward, acceptance and
-the host work around them) with what the profile predicts. Every plain step updates one
-smoothed machine scale (`verify_scale`), which moves every batch shape alike, the drafter's
-too: a neighbour that slows the machine slows drafting as much as verifying. Every drafted
-step updates a second scale on top of it (`spec_scale`): what a drafted step really costs
-against its prediction, e.g. the verify path's host work, rows the raw forward timings do not
-see, or a proposal that caught up a long pending context. Inside one step the scale is a
-constant factor, so it never changes which tokens Algorithm 1 admits; it changes whether
-drafting beats a plain step (the gate) — the comparison a wrong profile gets wrong.
+context and load. The corrections compare engine steps with what the profile predicts. The
+machine's speed (`verify_scale`) is read from the target's forward inside every step, plain or
+drafted, since the profile's forward timings are of exactly that; it moves every batch shape alike,
+the drafter's too: a neighbour that slows the machine slows drafting as much as verifying. Two more
+scales sit on top of it, each from whole steps of its own kind (draft, forward, acceptance and the
+host work around them): `plain_scale`, a plain step against its forward, and `spec_scale`, what a
+drafted step really costs against its prediction, e.g. the verify path's host work, rows the raw
+forward timings do not see, or a proposal that caught up a long pending context. The machine's speed
+must come from drafted steps too: while the gate is open the engine takes no plain step, and a
+drafted-step scale on top of a stale machine scale took in every slowdown of the machine, then, once
+plain steps raised the machine scale, counted it a second time and held the gate closed (`auto` at 16
+agent requests in lockstep, `docs/benchmarks.md`). Inside one step the scales are constant factors,
+so they never change which tokens Algorithm 1 admits; they change whether drafting beats a plain step
+(the gate) — the comparison a wrong profile gets wrong. A caller that cannot time the forward alone
+passes the whole step for it: the machine scale then takes all of it, as before.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
@@ -59,7 +65,8 @@ class StepProfile:
     shallow_s: list[float] = field(default_factory=list)  # seconds per one-position proposal for R requests
     #                                                       (a drafter that cuts exactly; empty: every depth costs a full one)
     smoothing: float = 0.05
-    verify_scale: float = 1.0  # measured / profiled seconds of plain steps, smoothed: the machine's speed
+    verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
+    plain_scale: float = 1.0  # whole plain steps / their forward's prediction, smoothed, on top of verify_scale
     spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
 
     def __post_init__(self) -> None:
@@ -75,6 +82,10 @@ class StepProfile:
         return bool(self.shallow_s) and self.gamma > 1
 
     def verify(self, b: int) -> float:
+        """Seconds of a plain step of b tokens: the forward, on this machine now, and the step's host work."""
+        return self.forward(b) * self.plain_scale
+
+    def forward(self, b: int) -> float:
         return interp(self.tokens, self.verify_s, b) * self.verify_scale
 
     def draft(self, r: float, depth: int | None = None) -> float:
@@ -98,14 +109,24 @@ class StepProfile:
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    def observe_plain(self, b: int, seconds: float) -> None:
-        """A whole plain step of b tokens took these seconds."""
-        self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
+    def observe_plain(self, b: int, seconds: float, forward: float | None = None) -> None:
+        """A whole plain step of b tokens took these seconds, its target forward `forward` of them."""
+        self.observe_forward(b, seconds if forward is None else forward)
+        if forward is not None:
+            self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
 
-    def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None) -> None:
-        """A whole drafted step (proposal of depth positions for r requests, b forward tokens) took these seconds."""
+    def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None,
+                        forward: float | None = None) -> None:
+        """A whole drafted step (proposal of depth positions for r requests, b forward tokens) took these
+        seconds, its target forward `forward` of them (None: not timed apart; the machine scale stays)."""
+        if forward is not None:
+            self.observe_forward(b, forward)
         predicted = self.draft(r, depth) + self.verify(b)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
+
+    def observe_forward(self, b: int, seconds: float) -> None:
+        """A target forward of b tokens took these seconds: the machine's speed."""
+        self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float, clip: float = 10.0) -> float:
         """One step's measured / profiled ratio, clipped to [1/clip, clip], folded into the scale. The

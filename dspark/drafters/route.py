@@ -16,7 +16,7 @@ neural drafter's proposal for k requests; the copy drafter's cost taken as 0). T
 neural drafter then runs for those requests alone; its context features wait here until a
 request is routed to it, so copy-served requests cost it nothing.
 
-An estimate that is never tested again never recovers: three early blocks that failed once put the
+An estimate that is never tested again never recovers: three failed early blocks put the
 neural expectation at 0.24 tokens for a single code request on dspark-small, and the router then
 copied for its remaining 90 steps (τ 1.38) where the DSpark drafter alone reached τ 1.64. So a
 request the neural drafter has not drafted for in `probe_every` steps is routed to it once (a probe,

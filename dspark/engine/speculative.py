@@ -224,7 +224,9 @@ class SpeculativeRunner:
         # drafts, or after a closed spell), not per step, and one such step weighed like the rest
         # made drafting look twice as costly as it is
         seconds = sum(result.times.values()) - result.times.get("catch_up", 0.0)
-        forward = result.times.get("verify")  # the target's forward: what the profile timed, the machine's speed
+        # the target's forward: what the profile timed, the machine's speed. On CUDA the forward returns once
+        # its kernels are queued and the step waits for them later, so only the whole step is timed there
+        forward = result.times.get("verify") if self.device.type == "cpu" else None
         if drafted:
             self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward)
         else:

@@ -18,7 +18,8 @@ plain steps raised the machine scale, counted it a second time and held the gate
 agent requests in lockstep, `docs/benchmarks.md`). Inside one step the scales are constant factors,
 so they never change which tokens Algorithm 1 admits; they change whether drafting beats a plain step
 (the gate) — the comparison a wrong profile gets wrong. A caller that cannot time the forward alone
-passes the whole step for it: the machine scale then takes all of it, as before.
+(on CUDA it returns before its kernels finish) passes none: a plain step's whole time then goes to the
+machine scale, as before, and a drafted step leaves the machine scale as it is.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 

@@ -14,7 +14,7 @@ from dspark.kv_cache import PagedKVCache
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams, SamplingRows
 from dspark.train.anchors import make_batch
-from dspark.train.losses import LossWeights, acceptance, drafter_loss
+from dspark.train.losses import LossWeights, acceptance, drafter_loss, position_weights
 
 
 @pytest.fixture(scope="module")
@@ -334,3 +334,16 @@ def test_ngram_index_grows_with_new_tokens_and_proposes_what_a_scan_finds():
             tokens.extend(int(t) for t in rng.integers(0, vocab, size=int(rng.integers(1, 4))))
             assert index.lookup(tokens, 5) == scan_lookup(tokens, 5, 4, 1)
         assert index.size == len(tokens) - 1  # each token indexed once, when it was new
+
+
+def test_first_position_weight_scales_its_share_of_the_loss():
+    """`LossWeights.first` multiplies the first position's weight in the kind's schedule and nothing else."""
+    logits, target = torch.randn(3, 2, 5), torch.randn(3, 2, 5)
+    labels, valid = torch.randint(0, 5, (3, 2)), torch.ones(3, 2, dtype=torch.bool)
+    per_pos = -(target.softmax(-1) * logits.log_softmax(-1)).sum(-1).mean(0)  # EAGLE-3's soft CE per position
+    w = position_weights(2, "cpu", "eagle3")
+    for first in (1.0, 3.0):
+        loss = drafter_loss("eagle3", logits, None, target, labels, valid, LossWeights(first=first))[0]
+        expect = (first * w[0] * per_pos[0] + w[1] * per_pos[1]) / (first * w[0] + w[1])
+        assert float(loss) == pytest.approx(float(expect), rel=1e-5)
+    assert torch.equal(position_weights(4, "cpu", "dspark", 2.0)[1:], position_weights(4, "cpu", "dspark")[1:])

@@ -66,6 +66,7 @@ class DrafterTrainConfig:
     loss_tv: float = 0.9
     loss_conf: float = 1.0
     loss_soft_ce: float = 0.0  # dspark: weight of soft CE against the target (0: the paper's loss)
+    loss_first: float = 1.0  # the first block position's weight, a multiple of the kind's schedule (`position_weights`)
     seed: int = 0
     eval_every: int = 200
     eval_batches: int = 4
@@ -76,6 +77,9 @@ class DrafterTrainConfig:
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> DrafterTrainConfig:
         return config_from_toml(cls, path, **overrides)
+
+    def loss_weights(self) -> LossWeights:
+        return LossWeights(self.loss_ce, self.loss_tv, self.loss_conf, self.loss_soft_ce, self.loss_first)
 
 
 def read_rows(path: str) -> list[dict]:
@@ -146,8 +150,7 @@ def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, r
 def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: str):
     taps, t_logits = block_targets(target, batch, drafter.taps)
     logits, conf = drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-    weights = LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf, cfg.loss_soft_ce)
-    loss, parts = drafter_loss(kind, logits, conf, t_logits, batch.labels, batch.valid, weights)
+    loss, parts = drafter_loss(kind, logits, conf, t_logits, batch.labels, batch.valid, cfg.loss_weights())
     return loss, parts, logits, t_logits, conf
 
 
@@ -285,8 +288,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
         taps, t_logits = block_targets(target, batch, dcfg.taps)
         logits, conf = model(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad) if world > 1 \
             else drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-        loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits, batch.labels, batch.valid,
-                                   LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf, cfg.loss_soft_ce))
+        loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits, batch.labels, batch.valid, cfg.loss_weights())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

@@ -34,7 +34,7 @@ from dspark.train.drafter import (
     optimizer,
     read_rows,
 )
-from dspark.train.losses import LossWeights, drafter_loss
+from dspark.train.losses import drafter_loss
 
 SHARED = ("model", "data", "heldout", "seq_len", "batch_size", "anchors_per_seq", "max_steps", "seed", "device",
           "eval_every", "eval_batches")
@@ -93,7 +93,7 @@ def member_step(m: Member, batch, tapped, t_logits, layers: list[int]) -> dict[s
     taps = tapped[:, :, [layers.index(t) for t in m.drafter.taps]].flatten(-2)
     logits, conf = m.drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
     loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits[..., :g, :], batch.labels[..., :g], batch.valid[..., :g],
-                               LossWeights(cfg.loss_ce, cfg.loss_tv, cfg.loss_conf, cfg.loss_soft_ce))
+                               cfg.loss_weights())
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in m.drafter.parameters() if p.requires_grad], cfg.grad_clip)
     m.opt.step()

@@ -24,11 +24,17 @@ class LossWeights:
     tv: float = 0.9
     conf: float = 1.0
     soft_ce: float = 0.0
+    first: float = 1.0  # the first position's weight, a multiple of what the kind's schedule gives it
 
 
-def position_weights(gamma: int, device, kind: str = "dspark") -> torch.Tensor:
+def position_weights(gamma: int, device, kind: str = "dspark", first: float = 1.0) -> torch.Tensor:
+    """The kind's weight per block position (EAGLE-3 0.8^k, else exp(-k/gamma)), the first one times `first`.
+    Every position of a parallel block comes from one pass of shared weights; from random weights a one-slot
+    block's first position learned faster than the seven-slot block's (`docs/models/dspark-small.md`)."""
     k = torch.arange(gamma, device=device, dtype=torch.float32)
-    return 0.8**k if kind == "eagle3" else torch.exp(-k / gamma)
+    w = 0.8**k if kind == "eagle3" else torch.exp(-k / gamma)
+    w[0] = w[0] * first
+    return w
 
 
 def acceptance(p_draft: torch.Tensor, p_target: torch.Tensor) -> torch.Tensor:
@@ -57,7 +63,7 @@ def drafter_loss(
     weights: LossWeights = LossWeights(),
 ) -> tuple[torch.Tensor, dict[str, float]]:
     g = logits.shape[-2]
-    w = position_weights(g, logits.device, kind)
+    w = position_weights(g, logits.device, kind, weights.first)
     logp_d = logits.log_softmax(-1)
     p_t = target_logits.float().softmax(-1)
     ce = -logp_d.gather(-1, labels[..., None])[..., 0]  # [..., g]

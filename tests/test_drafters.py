@@ -41,6 +41,9 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov", 
     if d.config.context_residual:  # a trained projection, not the zero it starts at
         with torch.no_grad():
             d.backbone.residual.weight.normal_(0, 0.3)
+    if getattr(d, "anchor", None) is not None:
+        with torch.no_grad():
+            d.anchor.down_proj.weight.normal_(0, 0.3)
     ids = torch.tensor([context])
     with torch.no_grad():
         _, taps = target.forward_dense(ids, d.taps)
@@ -94,6 +97,35 @@ def test_context_residual_serving_equals_teacher_forced(target, kind):
         d.backbone.residual.weight.zero_()
         without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
     assert not torch.allclose(logits, without[0, 0], atol=1e-3)  # the feature really enters the block
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_anchor_mlp_serving_equals_teacher_forced(target, causal):
+    """The anchor slot's own MLP runs in both paths and moves the first position only."""
+    context = list(range(3, 20))
+    d, block, logits, _ = serve_vs_train("dspark", target, context, anchor_mlp=32, causal_block=causal)
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
+    full = torch.tensor([context + block.tokens[0].tolist()])
+    with torch.no_grad():
+        _, taps = target.forward_dense(full, d.taps)
+        d.anchor.down_proj.weight.zero_()
+        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
+    assert not torch.allclose(logits[0], without[0, 0, 0], atol=1e-3)  # it enters the first position
+    assert torch.allclose(logits[1:], without[0, 0, 1:], atol=1e-5)  # and no other: it runs after the backbone
+
+
+def test_anchor_mlp_starts_as_the_drafter_it_grows_from(target):
+    from dspark.drafters.formats.deepspec import check_exportable
+    from dspark.train.surgery import with_anchor_mlp
+
+    d = bound("dspark", target)
+    grown = with_anchor_mlp(d, 48)
+    (a, ca), (b, cb) = old_and_grown(d, grown, target)
+    assert grown.config.anchor_mlp == 48 and torch.equal(a, b) and torch.equal(ca, cb)
+    with pytest.raises(ValueError, match="anchor slot"):
+        new_config("dflash", target.config, 5, anchor_mlp=32)
+    with pytest.raises(ValueError, match="anchor_mlp"):
+        check_exportable(grown.config)
 
 
 def old_and_grown(old, grown, target):

@@ -65,6 +65,8 @@ class DrafterConfig:
     #                                 the anchor (dspark, dflash): the feature EAGLE-3 feeds its residual stream
     causal_block: bool = False  # block slots see the slots before them, not after (dspark, dflash): the first k
     #                             proposals do not depend on how many are drafted, so a step may draft fewer
+    anchor_mlp: int = 0  # dspark: width of a gated MLP only the anchor slot runs on its final hidden (0: none), the
+    #                      first position's own parameters where every other weight serves the whole block
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
     serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
@@ -94,6 +96,9 @@ class DrafterConfig:
         for name in ("context_residual", "causal_block"):  # auto: the router's copy of its neural drafter's config
             if getattr(self, name) and self.kind not in ("dspark", "dflash", "auto"):
                 raise ValueError(f"{name} is a block-backbone option (dspark, dflash), not {self.kind}'s")
+        if self.anchor_mlp and (self.kind not in ("dspark", "auto") or not self.anchor_slot):
+            raise ValueError(f"anchor_mlp runs on a DSpark block's anchor slot, which a {self.kind} drafter "
+                             f"(anchor_slot={self.anchor_slot}) does not predict from")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 

@@ -19,6 +19,7 @@ from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeI
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
+from dspark.models.layers import SwiGLU
 from dspark.sampling import SamplingRows
 
 
@@ -31,11 +32,21 @@ class BlockDrafter(NeuralDrafter):
             if config.head != "none" else None
         self.conf = ConfidenceHead(config.hidden_size, config.rank if config.confidence_markov else 0) \
             if config.confidence else None
+        self.anchor = SwiGLU(config.hidden_size, config.anchor_mlp) if config.anchor_mlp else None
+        if self.anchor is not None:  # adds nothing until training moves it
+            torch.nn.init.zeros_(self.anchor.down_proj.weight)
         self.features: torch.Tensor | None = None  # [slots, d] H_ctx per cache slot (context_residual, after bind)
 
     @property
     def has_confidence(self) -> bool:
         return self.conf is not None
+
+    def anchored(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Block hidden [..., g, d] with the anchor slot's own MLP added to slot 0 (`anchor_mlp`)."""
+        if self.anchor is None:
+            return hidden
+        first = hidden[..., :1, :]
+        return torch.cat([first + self.anchor(first), hidden[..., 1:, :]], dim=-2)
 
     # ---- serving ----------------------------------------------------------------------
     def bind(self, target, num_blocks: int, block_size: int) -> None:
@@ -89,7 +100,7 @@ class BlockDrafter(NeuralDrafter):
             anchors = upload([i.anchor for i in inputs], dev)
             x = self.backbone.block_start(self.embed(self.block_inputs(anchors, g)), self.last_context(inputs))
             x = x.flatten(0, 1)  # [R*g, d]
-            hidden = self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1)
+            hidden = self.anchored(self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1))
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
@@ -154,7 +165,8 @@ class BlockDrafter(NeuralDrafter):
         mask = block_mask(anchors, g, taps.shape[1], self.config.causal_block)
         h_ctx = self.backbone.context(taps)
         x = self.backbone.block_start(self.embed(self.block_inputs(prev[..., 0])), before_anchor(h_ctx, anchors))
-        hidden = self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1)
+        hidden = self.anchored(
+            self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1))
         logits = self.lm_head(hidden)
         conf, emb = None, None
         if self.head is not None:

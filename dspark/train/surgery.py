@@ -5,7 +5,8 @@ weight that still fits is carried, and every new weight starts where it adds not
 nothing) to the old computation, so the first step continues from the old held-out acceptance.
 - `grow`: more backbone layers (new output projections at zero);
 - `with_context_residual`: the feature before the anchor into every block slot (projection at zero);
-- `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r.
+- `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r;
+- `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def with_context_residual(drafter):
     its new projection starts at zero, so it computes exactly what it did until training moves it."""
     wider, missing = rebuilt(drafter, context_residual=True)
     assert missing == ["backbone.residual.weight"], missing
+    return wider
+
+
+def with_anchor_mlp(drafter, width: int):
+    """A copy of a DSpark drafter whose anchor slot (the first proposal) also runs an MLP of its own on its final
+    hidden; the MLP's output projection starts at zero, so it computes exactly what it did until training moves it."""
+    if drafter.config.kind != "dspark" or drafter.config.anchor_mlp:
+        raise ValueError(f"can give a dspark drafter without one an anchor MLP, not a {drafter.config.kind} drafter "
+                         f"with anchor_mlp={drafter.config.anchor_mlp}")
+    wider, missing = rebuilt(drafter, anchor_mlp=width)
+    assert sorted(missing) == ["anchor.down_proj.weight", "anchor.gate_proj.weight", "anchor.up_proj.weight"], missing
     return wider
 
 

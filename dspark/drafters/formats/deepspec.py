@@ -93,6 +93,9 @@ def check_exportable(cfg: DrafterConfig) -> None:
     if cfg.context_residual:
         raise ValueError("DeepSpec's DSpark has no context_residual projection: this drafter reads the feature "
                          "before the anchor into its block, which that format (and the servers reading it) cannot")
+    if cfg.anchor_mlp:
+        raise ValueError("DeepSpec's DSpark has no anchor-slot MLP (anchor_mlp): this drafter's first proposal runs "
+                         "weights that format (and the servers reading it) cannot hold")
 
 
 def write(drafter, target, out_dir: Path) -> Path:

@@ -86,17 +86,23 @@ def test_greedy_requests_read_the_greedy_temperatures(target):
     assert torch.allclose(both.confidence[1], torch.sigmoid(raw[1] / torch.tensor(temps)), atol=1e-6)
 
 
+def teacher_forced_without(d, target, context: list[int], block, weight: torch.Tensor) -> torch.Tensor:
+    """The block's teacher-forced logits [g, V] over context + its drafted tokens with `weight` zeroed."""
+    full = torch.tensor([context + block.tokens[0].tolist()])
+    with torch.no_grad():
+        _, taps = target.forward_dense(full, d.taps)
+        weight.zero_()
+        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
+    return without[0, 0]
+
+
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_context_residual_serving_equals_teacher_forced(target, kind):
     context = list(range(3, 20))
     d, block, logits, conf = serve_vs_train(kind, target, context, context_residual=True)
     assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
-    full = torch.tensor([context + block.tokens[0].tolist()])
-    with torch.no_grad():
-        _, taps = target.forward_dense(full, d.taps)
-        d.backbone.residual.weight.zero_()
-        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
-    assert not torch.allclose(logits, without[0, 0], atol=1e-3)  # the feature really enters the block
+    without = teacher_forced_without(d, target, context, block, d.backbone.residual.weight)
+    assert not torch.allclose(logits, without, atol=1e-3)  # the feature really enters the block
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -105,13 +111,9 @@ def test_anchor_mlp_serving_equals_teacher_forced(target, causal):
     context = list(range(3, 20))
     d, block, logits, _ = serve_vs_train("dspark", target, context, anchor_mlp=32, causal_block=causal)
     assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
-    full = torch.tensor([context + block.tokens[0].tolist()])
-    with torch.no_grad():
-        _, taps = target.forward_dense(full, d.taps)
-        d.anchor.down_proj.weight.zero_()
-        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
-    assert not torch.allclose(logits[0], without[0, 0, 0], atol=1e-3)  # it enters the first position
-    assert torch.allclose(logits[1:], without[0, 0, 1:], atol=1e-5)  # and no other: it runs after the backbone
+    without = teacher_forced_without(d, target, context, block, d.anchor.down_proj.weight)
+    assert not torch.allclose(logits[0], without[0], atol=1e-3)  # it enters the first position
+    assert torch.allclose(logits[1:], without[1:], atol=1e-5)  # and no other: it runs after the backbone
 
 
 def test_anchor_mlp_starts_as_the_drafter_it_grows_from(target):

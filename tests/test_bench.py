@@ -261,6 +261,9 @@ def test_peers_falls_back_to_ngram_and_reports_ratios(qwen3_dir, tmp_path):
         assert r["tokens"] == 8 and r["tok_s"] > 0 and r["vs_transformers"] > 0 and 0 <= r["greedy_match_fraction"] <= 1
         if r["system"].startswith("dspark"):
             assert r["greedy_match_none_fraction"] == 1.0  # speculative greedy = plain greedy
+            assert r["tau"] == 1.0 if r["system"] == "dspark none" else 1.0 <= r["tau"] <= 8.0
+        else:
+            assert r["tau"] is None  # transformers does not report its steps
     assert [(r["system"], r["domain"]) for r in data["domain_rows"]] == [(n, "math") for n in names]
     assert next(r for r in data["domain_rows"] if r["system"] == "dspark none")["vs_dspark_none"] == 1.0
     assert "Note:" in (tmp_path / "peers.md").read_text()

@@ -16,7 +16,8 @@ with `--assistant MODEL` transformers' assisted generation with that smaller mod
 tokenizer as its draft model (what a CPU user would try first); with `--llama-cpp DIR` also llama.cpp
 plainly and (with `--assistant`) with that model as its draft model (bench/llamacpp.py). Runs
 alternate prompt by prompt, the order rotating, so drift hits every system alike; results
-are tok/s over all prompts and per domain (math, code, chat) with ratios, plus whether each
+are tok/s over all prompts and per domain (math, code, chat) with ratios, this engine's τ (tokens per
+target step, what its speed-up rests on), whether each
 system's greedy tokens match transformers' (a sanity check: in bf16 two implementations can
 round differently and part ways) and this engine's plain decoding (the lossless check).
 """
@@ -83,19 +84,29 @@ def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
     return systems
 
 
-def engine_system(engine, max_tokens: int):
-    """One greedy request alone. A copy drafter first forgets earlier requests (`Drafter.forget`): every
-    prompt runs once per pass, and a store holding the last pass's answer would copy it whole."""
-    from dspark.sampling import SamplingParams
+class EngineSystem:
+    """One greedy request alone through this engine, counting its tokens and target steps (τ, tokens per
+    step). A copy drafter first forgets earlier requests (`Drafter.forget`): every prompt runs once per
+    pass, and a store holding the last pass's answer would copy it whole."""
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    def __init__(self, engine, max_tokens: int) -> None:
+        from dspark.sampling import SamplingParams
 
-    def system(ids):
-        if engine.drafter is not None:
-            engine.drafter.forget()
-        return engine.run_until_done([engine.add_request(ids, params)])[0].token_ids
+        self.engine = engine
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.tokens = self.rounds = 0
 
-    return system
+    def __call__(self, ids: list[int]) -> list[int]:
+        if self.engine.drafter is not None:
+            self.engine.drafter.forget()
+        out = self.engine.run_until_done([self.engine.add_request(ids, self.params)])[0]
+        self.tokens += out.stats["completion_tokens"]
+        self.rounds += out.stats["rounds"]
+        return out.token_ids
+
+    @property
+    def tau(self) -> float | None:
+        return self.tokens / self.rounds if self.rounds else None
 
 
 def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, **extra):
@@ -161,23 +172,25 @@ def run(s: PeersSettings, out: str | Path) -> dict:
         "transformers generate": hf_system(hf, s.max_tokens, pad),
         f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, s.max_tokens, pad,
                                                                      prompt_lookup_num_tokens=s.lookup_tokens),
-        "dspark none": engine_system(build_engine(path, None, "none", cfg), s.max_tokens),
-        f"dspark {drafter}:static:{gamma}": engine_system(build_engine(path, drafter, f"static:{gamma}", cfg,
+        "dspark none": EngineSystem(build_engine(path, None, "none", cfg), s.max_tokens),
+        f"dspark {drafter}:static:{gamma}": EngineSystem(build_engine(path, drafter, f"static:{gamma}", cfg,
                                                                        profile=s.profile), s.max_tokens),
-        spec_label: engine_system(spec, s.max_tokens),
+        spec_label: EngineSystem(spec, s.max_tokens),
     }
     if s.assistant:
         systems[f"transformers assisted ({Path(str(s.assistant)).name})"] = hf_system(
             hf, s.max_tokens, pad, assistant=assistant_model(s.assistant, tok, cfg))
     if drafter != "ngram":  # this engine's own prompt lookup, beside transformers', and its router
         for copier in ("ngram", "auto"):
-            systems[f"dspark {copier}:dspark"] = engine_system(build_engine(path, copier, "dspark", cfg,
+            systems[f"dspark {copier}:dspark"] = EngineSystem(build_engine(path, copier, "dspark", cfg,
                                                                             profile=s.profile), s.max_tokens)
     if s.llama_cpp:
         systems.update(llama_systems(s, path, tok))
     names = list(systems)
     for fn in systems.values():  # warm-up
         fn(jobs[0].ids[-32:])
+        if isinstance(fn, EngineSystem):
+            fn.tokens = fn.rounds = 0
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     same = dict.fromkeys(names, 0)
@@ -205,7 +218,8 @@ def run(s: PeersSettings, out: str | Path) -> dict:
              "vs_transformers": ratio(tokens[n] / seconds[n], tokens[names[0]] / seconds[names[0]]),
              "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
              "greedy_match_fraction": same[n] / len(runs),
-             "greedy_match_none_fraction": same_plain[n] / len(runs)} for n in names]
+             "greedy_match_none_fraction": same_plain[n] / len(runs),
+             "tau": systems[n].tau if isinstance(systems[n], EngineSystem) else None} for n in names]
     speed = {key: toks / secs for key, (secs, toks) in per_domain.items()}  # (system, domain) -> tok/s
     domains = list(dict.fromkeys(j.domain for j in jobs))
     domain_rows = [{"system": n, "domain": d, "tok_s": speed[n, d],
@@ -244,9 +258,9 @@ def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: 
     if note:
         md.append(f"\nNote: {note}.\n")
     md.append("\n" + report.table(
-        ["system", "tok/s", "× transformers", "× dspark none", "greedy tokens = transformers",
-         "greedy tokens = dspark none"],
-        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["greedy_match_fraction"],
+        ["system", "tok/s", "× transformers", "× dspark none", "τ (tokens per target step)",
+         "greedy tokens = transformers", "greedy tokens = dspark none"],
+        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r.get("tau"), r["greedy_match_fraction"],
           r["greedy_match_none_fraction"]] for r in rows]))
     domains = list(dict.fromkeys(r["domain"] for r in domain_rows))
     by = {(r["system"], r["domain"]): r for r in domain_rows}

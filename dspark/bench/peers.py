@@ -85,8 +85,8 @@ def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
 
 
 class EngineSystem:
-    """One greedy request alone through this engine, counting its tokens and target steps (τ, tokens per
-    step). A copy drafter first forgets earlier requests (`Drafter.forget`): every prompt runs once per
+    """One greedy request alone through this engine, counting the target steps its requests took (the report's
+    τ is the tokens `run` counts over these steps). A copy drafter first forgets earlier requests (`Drafter.forget`): every prompt runs once per
     pass, and a store holding the last pass's answer would copy it whole."""
 
     def __init__(self, engine, max_tokens: int) -> None:
@@ -94,19 +94,14 @@ class EngineSystem:
 
         self.engine = engine
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        self.tokens = self.rounds = 0
+        self.rounds = 0
 
     def __call__(self, ids: list[int]) -> list[int]:
         if self.engine.drafter is not None:
             self.engine.drafter.forget()
         out = self.engine.run_until_done([self.engine.add_request(ids, self.params)])[0]
-        self.tokens += out.stats["completion_tokens"]
         self.rounds += out.stats["rounds"]
         return out.token_ids
-
-    @property
-    def tau(self) -> float | None:
-        return self.tokens / self.rounds if self.rounds else None
 
 
 def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, **extra):
@@ -190,7 +185,7 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     for fn in systems.values():  # warm-up
         fn(jobs[0].ids[-32:])
         if isinstance(fn, EngineSystem):
-            fn.tokens = fn.rounds = 0
+            fn.rounds = 0
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     same = dict.fromkeys(names, 0)
@@ -219,7 +214,8 @@ def run(s: PeersSettings, out: str | Path) -> dict:
              "vs_dspark_none": ratio(tokens[n] / seconds[n], tokens["dspark none"] / seconds["dspark none"]),
              "greedy_match_fraction": same[n] / len(runs),
              "greedy_match_none_fraction": same_plain[n] / len(runs),
-             "tau": systems[n].tau if isinstance(systems[n], EngineSystem) else None} for n in names]
+             "tau": tokens[n] / systems[n].rounds if isinstance(systems[n], EngineSystem) else None}
+            for n in names]
     speed = {key: toks / secs for key, (secs, toks) in per_domain.items()}  # (system, domain) -> tok/s
     domains = list(dict.fromkeys(j.domain for j in jobs))
     domain_rows = [{"system": n, "domain": d, "tok_s": speed[n, d],
@@ -260,7 +256,7 @@ def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: 
     md.append("\n" + report.table(
         ["system", "tok/s", "× transformers", "× dspark none", "τ (tokens per target step)",
          "greedy tokens = transformers", "greedy tokens = dspark none"],
-        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r.get("tau"), r["greedy_match_fraction"],
+        [[r["system"], r["tok_s"], r["vs_transformers"], r["vs_dspark_none"], r["tau"], r["greedy_match_fraction"],
           r["greedy_match_none_fraction"]] for r in rows]))
     domains = list(dict.fromkeys(r["domain"] for r in domain_rows))
     by = {(r["system"], r["domain"]): r for r in domain_rows}

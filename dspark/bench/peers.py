@@ -85,9 +85,10 @@ def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
 
 
 class EngineSystem:
-    """One greedy request alone through this engine, counting the target steps its requests took (the report's
-    τ is the tokens `run` counts over these steps). A copy drafter first forgets earlier requests (`Drafter.forget`): every prompt runs once per
-    pass, and a store holding the last pass's answer would copy it whole."""
+    """One greedy request alone through this engine, counting the target steps its requests took (the
+    report's τ is the tokens `run` counts over these steps). A copy drafter first forgets earlier requests
+    (`Drafter.forget`): every prompt runs once per pass, and a store holding the last pass's answer would
+    copy it whole."""
 
     def __init__(self, engine, max_tokens: int) -> None:
         from dspark.sampling import SamplingParams

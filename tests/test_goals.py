@@ -65,3 +65,13 @@ def test_agent_routing_is_weighed_against_the_better_drafter_alone(tmp_path):
     got = [c for c in goals.run(tmp_path)["checks"] if c["source"] == "online/online-agent.json"]
     assert [(c["goal"].split(":")[0], c["value"], c["status"]) for c in got] == [
         ("agent workload, C = 1", 1.25, "met"), ("agent workload, C = 16", 1.1, "missed")]
+
+
+def test_sampled_single_stream_reads_one_client_at_temperature_one(tmp_path):
+    rows = online_rows(1.4)
+    write(tmp_path, "online/c1-six-t1/online", {"settings": {"temperature": 1.0}, "rows": rows, "ratios": ratios(rows)})
+    goal = "single stream, temperature 1: dspark:dspark / none"
+    got = by_goal(goals.run(tmp_path))[goal]
+    assert (got["status"], got["value"]) == ("met", 1.4)
+    write(tmp_path, "online/c1-six-t1/online", {"settings": {"temperature": 0.0}, "rows": rows, "ratios": ratios(rows)})
+    assert by_goal(goals.run(tmp_path))[goal]["status"] == "not measured"  # a greedy run is not this goal

@@ -1,7 +1,8 @@
 """`dspark bench goals`: the project's benchmark goals checked against committed results.
 
 Reads the results tree (one folder per benchmark: offline/offline.json, peers/peers.json,
-online/online.json, online/online-hostile.json, online/online-agent.json; each written by its
+online/online.json, online/online-hostile.json, online/online-agent.json, and the sampled single
+stream in online/c1-six-t1/online.json; each written by its
 own `dspark bench` command in one run, so every ratio compares configurations measured side by
 side) and writes goals/goals.json and goals/goals.md: each goal's measured value, its bar, met
 or missed, and the file it came from. Nothing is measured here; a missing file leaves its goals
@@ -66,6 +67,16 @@ def peers_checks(res: dict | None) -> list[Check]:
     checks.append(Check(f"single stream: {SPEC} / transformers generate()", 2.0,
                         spec["vs_transformers"] if spec else None, "peers/peers.json"))
     return checks
+
+
+def sampled_checks(res: dict | None, source: str = "online/c1-six-t1/online.json") -> list[Check]:
+    """Single stream at temperature 1: one closed-loop client's throughput over plain decoding's."""
+    res = res or {}
+    goal = f"single stream, temperature 1: {SPEC} / none"
+    if res.get("settings", {}).get("temperature") != 1.0:
+        return [Check(goal, 1.3, None, source, "no run at temperature 1" if res else "")]
+    row = next((r for r in res.get("ratios", []) if r["config"] == SPEC and r["concurrency"] == 1), None)
+    return [Check(goal, 1.3, row["throughput_ratio"] if row else None, source, "one client")]
 
 
 def load_checks(res: dict | None, source: str) -> list[Check]:
@@ -135,6 +146,7 @@ def agent_checks(res: dict | None, source: str = "online/online-agent.json") -> 
 SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results file, its checks)
     ("offline/offline", offline_checks),
     ("peers/peers", peers_checks),
+    ("online/c1-six-t1/online", sampled_checks),
     ("online/online", lambda r: load_checks(r, "online/online.json")),
     ("online/online", lambda r: never_a_loss(r, "online/online.json")),
     ("online/online-hostile", lambda r: never_a_loss(r, "online/online-hostile.json")),

@@ -2,11 +2,10 @@
 
 Reads the results tree (one folder per benchmark: offline/offline.json, peers/peers.json,
 online/online.json, online/online-hostile.json, online/online-agent.json, and the sampled single
-stream in online/c1-six-t1/online.json; each written by its
-own `dspark bench` command in one run, so every ratio compares configurations measured side by
-side) and writes goals/goals.json and goals/goals.md: each goal's measured value, its bar, met
-or missed, and the file it came from. Nothing is measured here; a missing file leaves its goals
-"not measured".
+stream in online/c1-six-t1/online.json; each written by its own `dspark bench` command in one
+run, so every ratio compares configurations measured side by side) and writes goals/goals.json
+and goals/goals.md: each goal's measured value, its bar, met or missed, and the file it came
+from. Nothing is measured here; a missing file leaves its goals "not measured".
 """
 
 from __future__ import annotations

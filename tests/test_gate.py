@@ -505,3 +505,19 @@ def test_draft_tokens_are_not_priced_from_a_stale_machine_scale():
     for _ in range(100):
         prof.observe_drafted(1, 5, 0.046, forward=0.041, base=1)  # the machine runs 2x slower
     assert prof.extra_per_token(1) == 0.0 and abs(prof.verify_scale - 2.0) < 0.05
+
+
+def test_draft_tokens_are_priced_only_after_a_plain_decode_forward():
+    """A prefill chunk's forward reads the machine's speed for another shape (one long row): drafted forwards
+    right after it, at one request, must not turn that shape's difference into a price of the draft tokens."""
+    prof = StepProfile("test", tokens=[1, 8, 128], verify_s=[0.02, 0.021, 0.05], requests=[1], draft_s=[0.002])
+    for _ in range(50):
+        prof.observe_plain(100, 0.03, forward=0.03, decoding=False)  # the prefill shape runs faster than profiled
+    for _ in range(5):
+        prof.observe_drafted(1, 8, 0.023, forward=0.021, base=1)
+    assert prof.extra_per_token(1) == 0.0
+    for _ in range(100):
+        prof.observe_plain(1, 0.02, forward=0.02)  # decode forwards as profiled: the machine scale returns to 1
+    for _ in range(5):
+        prof.observe_drafted(1, 8, 0.030, forward=0.028, base=1)  # seven draft tokens cost 7 ms beyond the curve
+    assert prof.extra_per_token(1) == pytest.approx(0.001, rel=0.05)

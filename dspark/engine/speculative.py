@@ -121,7 +121,7 @@ class SpeculativeRunner:
         if decode and self.gate is not None and block is not None and block.num_drafted is not None:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
-        self._observe(drafted, batch.num_tokens, result, drafting, depth)
+        self._observe(drafted, batch.num_tokens, result, drafting, depth, decoding=not other_tokens)
         if drafting and self.gate is not None and self.gate.probing and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
         return result
@@ -215,7 +215,7 @@ class SpeculativeRunner:
             self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool,
-                 depth: int | None = None) -> None:
+                 depth: int | None = None, decoding: bool = True) -> None:
         self.steps += 1
         self.drafted_steps += int(drafted)
         if self.profile is None:
@@ -231,5 +231,5 @@ class SpeculativeRunner:
             base = num_tokens - sum(result.verified.values())  # the forward's tokens but the verified drafts
             self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward, base)
         else:
-            self.profile.observe_plain(num_tokens, seconds, forward)
+            self.profile.observe_plain(num_tokens, seconds, forward, decoding)
 

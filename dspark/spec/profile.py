@@ -28,7 +28,7 @@ requests' real contexts. At 16 requests on dspark-small each verified draft toke
 what the scaled curve said, and the gate drafted into a 10-15% loss (`docs/benchmarks.md`). So drafted
 forwards measure it, per power-of-two bucket of the step's undrafted tokens (`base`), in seconds at the
 profile's machine speed: the median of the bucket's last few measurements, none until three (one slow
-first forward of a new shape must not close the gate), and only while a plain forward was seen lately,
+first forward of a new shape must not close the gate), and only while a plain decode forward was seen lately,
 since with the gate open for long the machine scale is read from the same forwards and the two could not
 be told apart. The surcharge is linear in the draft tokens, so it also moves Algorithm 1's budget: a
 verified token that costs more must earn more.
@@ -93,7 +93,7 @@ class StepProfile:
     spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
     extra_seen: list[list[float]] = field(default_factory=list)  # per bucket of base tokens (`bucket`): the last
     #                                        few seconds per verified draft token beyond the curve, at its machine speed
-    plain_age: int = 0  # steps since a plain forward was observed (the machine scale's freshness)
+    plain_age: int = EXTRA_FRESH + 1  # steps since a plain decode forward was observed (the machine scale's freshness)
 
     def __post_init__(self) -> None:
         # more tokens (requests) never cost less: a point measured above a later one was slowed by
@@ -149,10 +149,13 @@ class StepProfile:
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    def observe_plain(self, b: int, seconds: float, forward: float | None = None) -> None:
-        """A whole plain step of b tokens took these seconds, its target forward `forward` of them."""
+    def observe_plain(self, b: int, seconds: float, forward: float | None = None, decoding: bool = True) -> None:
+        """A whole plain step of b tokens took these seconds, its target forward `forward` of them. decoding:
+        every row one decode token, the shape drafted steps are priced against (a prefill chunk's forward
+        reads the machine's speed for another shape, so it does not make the machine scale fresh for them)."""
         self.observe_forward(b, seconds if forward is None else forward)
-        self.plain_age = 0
+        if decoding:
+            self.plain_age = 0
         if forward is not None:
             self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
 

@@ -478,7 +478,7 @@ def test_verified_draft_tokens_are_priced_by_what_drafted_forwards_measured():
         prof.observe_plain(16, 0.02, forward=0.02)
         prof.observe_drafted(16, 32, 0.02 + 0.016 + 0.002, forward=0.02 + 0.016, base=16)
         assert prof.extra_per_token(16) == (0.0 if step < 2 else pytest.approx(0.001, rel=0.05))
-    assert abs(prof.verify_scale - 1.0) < 0.01  # the slow forwards are the drafts' cost, not the machine's
+    assert prof.verify_scale < 1.1  # the slow forwards are the drafts' cost, not the machine's
     assert prof.verify(32, base=16) > prof.verify(32) + 0.015
     assert not gate.predict(16, [GAMMA] * 16) and gate.predict(1, [GAMMA])
     cached = StepProfile.from_json(prof.to_json())
@@ -496,8 +496,8 @@ def test_one_slow_drafted_forward_does_not_price_the_draft_tokens():
 
 
 def test_draft_tokens_are_not_priced_from_a_stale_machine_scale():
-    """With the gate open for long there is no plain forward to read the machine's speed from: a slow
-    spell then is the machine's (the drafted forwards move the machine scale), not the draft tokens'."""
+    """With the gate open for long there is no plain decode forward to measure against: a slow spell then
+    is the machine's (the drafted forwards move the machine scale), not the draft tokens'."""
     prof = StepProfile("test", tokens=[1, 8], verify_s=[0.02, 0.021], requests=[1], draft_s=[0.002])
     prof.observe_plain(1, 0.02, forward=0.02)
     for _ in range(20):
@@ -508,16 +508,16 @@ def test_draft_tokens_are_not_priced_from_a_stale_machine_scale():
 
 
 def test_draft_tokens_are_priced_only_after_a_plain_decode_forward():
-    """A prefill chunk's forward reads the machine's speed for another shape (one long row): drafted forwards
-    right after it, at one request, must not turn that shape's difference into a price of the draft tokens."""
+    """A prefill chunk's forward runs at another ratio to the curve (one long row) and moves the machine scale:
+    drafted forwards after it, at one request, must not turn that shape's difference into a price of the draft
+    tokens. They are measured against a plain decode forward of their own bucket."""
     prof = StepProfile("test", tokens=[1, 8, 128], verify_s=[0.02, 0.021, 0.05], requests=[1], draft_s=[0.002])
     for _ in range(50):
         prof.observe_plain(100, 0.03, forward=0.03, decoding=False)  # the prefill shape runs faster than profiled
     for _ in range(5):
         prof.observe_drafted(1, 8, 0.023, forward=0.021, base=1)
     assert prof.extra_per_token(1) == 0.0
-    for _ in range(100):
-        prof.observe_plain(1, 0.02, forward=0.02)  # decode forwards as profiled: the machine scale returns to 1
+    prof.observe_plain(1, 0.02, forward=0.02)  # one decode forward as profiled (the machine scale still ~0.7)
     for _ in range(5):
         prof.observe_drafted(1, 8, 0.030, forward=0.028, base=1)  # seven draft tokens cost 7 ms beyond the curve
     assert prof.extra_per_token(1) == pytest.approx(0.001, rel=0.05)

@@ -26,12 +26,13 @@ profile times forwards of full (gamma+1)-token rows, a few requests at a time; a
 is many one-token rows beside a few verify rows, which attention pads to the longest of them, at the
 requests' real contexts. At 16 requests on dspark-small each verified draft token cost about three times
 what the scaled curve said, and the gate drafted into a 10-15% loss (`docs/benchmarks.md`). So drafted
-forwards measure it, per power-of-two bucket of the step's undrafted tokens (`base`), in seconds at the
-profile's machine speed: the median of the bucket's last few measurements, none until three (one slow
-first forward of a new shape must not close the gate), and only while a plain decode forward was seen lately,
-since with the gate open for long the machine scale is read from the same forwards and the two could not
-be told apart. The surcharge is linear in the draft tokens, so it also moves Algorithm 1's budget: a
-verified token that costs more must earn more.
+forwards measure it, per power-of-two bucket of the step's undrafted tokens (`base`): the forward's seconds
+against those of a plain decode forward of the same bucket seen in the last few steps (`decode_ratio`: the
+same rows, without the drafts, at the same contexts), less the curve's price of the draft tokens. It is kept
+in seconds at the profile's speed, the median of the bucket's last few measurements, none until three (one
+slow first forward of a new shape must not close the gate). The machine scale cannot be the reference: it
+is read from prefill chunks too, whose shape runs at another ratio to the curve. The surcharge is linear in
+the draft tokens, so it also moves Algorithm 1's budget: a verified token that costs more must earn more.
 
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
@@ -48,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 
 EXTRA_KEPT = 5  # the last measurements of the surcharge kept per bucket ...
 EXTRA_MIN = 3  # ... and how many it needs before it counts
-EXTRA_FRESH = 16  # measured only within this many drafted steps of a plain forward (the machine scale is fresh)
+EXTRA_FRESH = 16  # measured only within this many steps of a plain decode forward of the same bucket
 
 
 def interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -93,7 +94,9 @@ class StepProfile:
     spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
     extra_seen: list[list[float]] = field(default_factory=list)  # per bucket of base tokens (`bucket`): the last
     #                                        few seconds per verified draft token beyond the curve, at its machine speed
-    plain_age: int = EXTRA_FRESH + 1  # steps since a plain decode forward was observed (the machine scale's freshness)
+    decode_ratio: list[float] = field(default_factory=list)  # per bucket: plain decode forwards' seconds / the curve's
+    decode_at: list[int] = field(default_factory=list)  # per bucket: the step of the last one (`clock`)
+    clock: int = 0  # steps observed
 
     def __post_init__(self) -> None:
         # more tokens (requests) never cost less: a point measured above a later one was slowed by
@@ -151,34 +154,46 @@ class StepProfile:
 
     def observe_plain(self, b: int, seconds: float, forward: float | None = None, decoding: bool = True) -> None:
         """A whole plain step of b tokens took these seconds, its target forward `forward` of them. decoding:
-        every row one decode token, the shape drafted steps are priced against (a prefill chunk's forward
-        reads the machine's speed for another shape, so it does not make the machine scale fresh for them)."""
+        every row one decode token, the reference drafted forwards of its bucket are measured against."""
+        self.clock += 1
         self.observe_forward(b, seconds if forward is None else forward)
-        if decoding:
-            self.plain_age = 0
         if forward is not None:
             self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
+            if decoding:
+                self.observe_decode(b, forward)
 
     def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None,
                         forward: float | None = None, base: int | None = None) -> None:
         """A whole drafted step (proposal of depth positions for r requests, b forward tokens, base of them
         without drafts) took these seconds, its target forward `forward` of them (None: not timed apart; the
         machine scale stays)."""
-        self.plain_age += 1
+        self.clock += 1
         if forward is not None:
-            if base is not None and b > base and self.plain_age <= EXTRA_FRESH:
-                self.observe_surcharge(b, base, forward)  # the machine's speed is the plain forwards' to tell
-            else:
-                self.observe_forward(b, forward, base)
+            if base is not None and b > base:
+                self.observe_surcharge(b, base, forward)
+            self.observe_forward(b, forward, base)
         predicted = self.draft(r, depth) + self.verify(b, base)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
+    def observe_decode(self, b: int, forward: float) -> None:
+        """A plain forward of b decode tokens took these seconds: its bucket's reference, smoothed while fresh."""
+        i = bucket(b)
+        grow = i + 1 - len(self.decode_ratio)
+        self.decode_ratio.extend([0.0] * grow)
+        self.decode_at.extend([-EXTRA_FRESH - 1] * grow)
+        ratio = forward / interp(self.tokens, self.verify_s, b)
+        fresh = self.clock - self.decode_at[i] <= EXTRA_FRESH
+        self.decode_ratio[i] = 0.7 * self.decode_ratio[i] + 0.3 * ratio if fresh else ratio
+        self.decode_at[i] = self.clock
+
     def observe_surcharge(self, b: int, base: int, forward: float) -> None:
-        """A forward of b tokens, b - base of them verified draft tokens, took these seconds: what each
-        of them cost beyond the curve at the machine's current speed, kept with its bucket's last few."""
+        """A forward of b tokens, b - base of them verified draft tokens, took these seconds: what each of them
+        cost beyond the curve, against a fresh plain decode forward of its bucket (none: nothing measured)."""
         i = bucket(base)
+        if i >= len(self.decode_at) or self.clock - self.decode_at[i] > EXTRA_FRESH:
+            return
         self.extra_seen.extend([] for _ in range(i + 1 - len(self.extra_seen)))
-        per_token = max(0.0, forward / self.verify_scale - interp(self.tokens, self.verify_s, b)) / (b - base)
+        per_token = max(0.0, forward / self.decode_ratio[i] - interp(self.tokens, self.verify_s, b)) / (b - base)
         self.extra_seen[i] = [*self.extra_seen[i], per_token][-EXTRA_KEPT:]
 
     def observe_forward(self, b: int, seconds: float, base: int | None = None) -> None:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 EXTRA_KEPT = 5  # the last measurements of the surcharge kept per bucket ...
 EXTRA_MIN = 3  # ... and how many it needs before it counts
@@ -217,10 +217,10 @@ class StepProfile:
 
     @classmethod
     def from_json(cls, text: str) -> StepProfile:
-        raw = json.loads(text)
-        for old in ("verify_fix", "draft_fix", "draft_scale"):  # corrections an older cache file may hold
-            raw.pop(old, None)
-        return cls(**raw)
+        """A cached profile; keys this version does not know (corrections an older or newer version kept,
+        e.g. `verify_fix`) are dropped, so a shared cache never stops an engine from starting."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
 
 
 def plot(profile: StepProfile, path: str) -> None:

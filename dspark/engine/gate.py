@@ -81,11 +81,10 @@ class Gate:
         self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
         self.probe_extra: float | None = None  # what probes measured to cost beyond a plain step, in plain steps
 
-    def cost(self, r: float, b: int, depth: int | None = None, base: int | None = None) -> float:
-        """A drafted step's seconds (base of its b tokens undrafted): the costly drafter runs for draft_share
-        of the r requests."""
+    def cost(self, r: float, b: int, depth: int | None = None) -> float:
+        """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
         assert self.profile is not None
-        return self.profile.cost(r * self.draft_share, b, depth, base)
+        return self.profile.cost(r * self.draft_share, b, depth)
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
@@ -131,8 +130,7 @@ class Gate:
         assert self.profile is not None
         k = min(self.cfg.probe_requests, num_requests)
         plain = self.profile.verify(num_requests)
-        probe = self.profile.cost(k, num_requests + k, base=num_requests)  # a probe verifies >= 1 token each
-        priced = max(0.0, (probe - plain) / plain)
+        priced = max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
         return priced if self.probe_extra is None else max(priced, self.probe_extra)
 
     def observe_probe(self, num_requests: int, seconds: float) -> None:
@@ -222,7 +220,7 @@ class Gate:
 
     def rate(self, num_requests: int, cands: Sequence, depth: int) -> float:
         """Expected tokens per second of a step drafting depth positions, the budget chosen by Algorithm 1."""
-        cost = lambda r, b: self.cost(r, b, depth, num_requests)  # noqa: E731
+        cost = lambda r, b: self.cost(r, b, depth)  # noqa: E731
         admitted = algorithm1(cands, num_requests, 0, cost)
         gain = sum(c.survival for c in cands[:admitted])
         return (num_requests + gain) / cost(num_requests, num_requests + admitted)

@@ -121,7 +121,7 @@ class SpeculativeRunner:
         if decode and self.gate is not None and block is not None and block.num_drafted is not None:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
-        self._observe(drafted, batch.num_tokens, result, drafting, depth, decoding=not other_tokens)
+        self._observe(drafted, batch.num_tokens, result, drafting, depth)
         if drafting and self.gate is not None and self.gate.probing and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
         return result
@@ -142,10 +142,10 @@ class SpeculativeRunner:
         conf = block.confidence
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
-        profile, drafted, base = self.profile, block.num_drafted, len(caps) + other_tokens
-        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, base)  # noqa: E731
+        profile, drafted = self.profile, block.num_drafted
+        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
-            cost = lambda r, b: profile.cost(drafted, b, depth, base)  # noqa: E731
+            cost = lambda r, b: profile.cost(drafted, b, depth)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -215,7 +215,7 @@ class SpeculativeRunner:
             self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool,
-                 depth: int | None = None, decoding: bool = True) -> None:
+                 depth: int | None = None) -> None:
         self.steps += 1
         self.drafted_steps += int(drafted)
         if self.profile is None:
@@ -228,8 +228,7 @@ class SpeculativeRunner:
         # its kernels are queued and the step waits for them later, so only the whole step is timed there
         forward = result.times.get("verify") if self.device.type == "cpu" else None
         if drafted:
-            base = num_tokens - sum(result.verified.values())  # the forward's tokens but the verified drafts
-            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward, base)
+            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward)
         else:
-            self.profile.observe_plain(num_tokens, seconds, forward, decoding)
+            self.profile.observe_plain(num_tokens, seconds, forward)
 

@@ -21,19 +21,6 @@ so they never change which tokens Algorithm 1 admits; they change whether drafti
 (on CUDA it returns before its kernels finish) passes none: a plain step's whole time then goes to the
 machine scale, as before, and a drafted step leaves the machine scale as it is.
 
-One correction is not a scale: what each verified draft token adds to a forward (`surcharge`). The
-profile times forwards of full (gamma+1)-token rows, a few requests at a time; a drafted step under load
-is many one-token rows beside a few verify rows, which attention pads to the longest of them, at the
-requests' real contexts. At 16 requests on dspark-small each verified draft token cost about three times
-what the scaled curve said, and the gate drafted into a 10-15% loss (`docs/benchmarks.md`). So drafted
-forwards measure it, per power-of-two bucket of the step's undrafted tokens (`base`): the forward's seconds
-against those of a plain decode forward of the same bucket seen in the last few steps (`decode_ratio`: the
-same rows, without the drafts, at the same contexts), less the curve's price of the draft tokens. It is kept
-in seconds at the profile's speed, the median of the bucket's last few measurements, none until three (one
-slow first forward of a new shape must not close the gate). The machine scale cannot be the reference: it
-is read from prefill chunks too, whose shape runs at another ratio to the curve. The surcharge is linear in
-the draft tokens, so it also moves Algorithm 1's budget: a verified token that costs more must earn more.
-
     dspark profile [--model PATH] [--drafter NAME] [--refresh] [--plot FILE.png]
 
 This file holds the profile's data and arithmetic; measuring it and its on-disk cache are in
@@ -44,12 +31,7 @@ from __future__ import annotations
 
 import bisect
 import json
-import statistics
 from dataclasses import asdict, dataclass, field, fields
-
-EXTRA_KEPT = 5  # the last measurements of the surcharge kept per bucket ...
-EXTRA_MIN = 3  # ... and how many it needs before it counts
-EXTRA_FRESH = 16  # measured only within this many steps of a plain decode forward of the same bucket
 
 
 def interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -62,11 +44,6 @@ def interp(xs: list[int], ys: list[float], x: float) -> float:
         i = len(xs) - 1
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-
-
-def bucket(base: int) -> int:
-    """The surcharge's bucket of a step's undrafted tokens: 1, 2-3, 4-7, 8-15, ... (powers of two)."""
-    return max(1, int(base)).bit_length() - 1
 
 
 def nondecreasing(ys: list[float]) -> list[float]:
@@ -92,11 +69,6 @@ class StepProfile:
     verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
     plain_scale: float = 1.0  # whole plain steps / their forward's prediction, smoothed, on top of verify_scale
     spec_scale: float = 1.0  # measured / predicted seconds of drafted steps, smoothed, on top of verify_scale
-    extra_seen: list[list[float]] = field(default_factory=list)  # per bucket of base tokens (`bucket`): the last
-    #                                        few seconds per verified draft token beyond the curve, at its machine speed
-    decode_ratio: list[float] = field(default_factory=list)  # per bucket: plain decode forwards' seconds / the curve's
-    decode_at: list[int] = field(default_factory=list)  # per bucket: the step of the last one (`clock`)
-    clock: int = 0  # steps observed
 
     def __post_init__(self) -> None:
         # more tokens (requests) never cost less: a point measured above a later one was slowed by
@@ -110,22 +82,9 @@ class StepProfile:
         """Whether a shallower proposal is known to cost less (the gate may pick the depth)."""
         return bool(self.shallow_s) and self.gamma > 1
 
-    def verify(self, b: int, base: int | None = None) -> float:
-        """Seconds of a step's forward of b tokens, on this machine now, and the step's host work; base: the
-        tokens it would hold without draft tokens (None: b, a plain step), the rest priced with `surcharge`."""
-        return (self.forward(b) + self.surcharge(b, base)) * self.plain_scale
-
-    def surcharge(self, b: int, base: int | None) -> float:
-        """Seconds the b - base verified draft tokens add beyond the forward curve, on this machine now."""
-        if base is None or b <= base:
-            return 0.0
-        return self.extra_per_token(base) * (b - base) * self.verify_scale
-
-    def extra_per_token(self, base: int) -> float:
-        """The bucket's measured seconds per verified draft token beyond the curve (0 until measured enough)."""
-        i = bucket(base)
-        seen = self.extra_seen[i] if i < len(self.extra_seen) else []
-        return statistics.median(seen) if len(seen) >= EXTRA_MIN else 0.0
+    def verify(self, b: int) -> float:
+        """Seconds of a plain step of b tokens: the forward, on this machine now, and the step's host work."""
+        return self.forward(b) * self.plain_scale
 
     def forward(self, b: int) -> float:
         return interp(self.tokens, self.verify_s, b) * self.verify_scale
@@ -144,64 +103,31 @@ class StepProfile:
             full = one + (full - one) * (max(1, depth) - 1) / (self.gamma - 1)
         return full * self.verify_scale
 
-    def cost(self, r: float, b: int, depth: int | None = None, base: int | None = None) -> float:
-        """Seconds of a speculative step: draft depth positions for r requests, verify b tokens (base of them
-        without drafts, None: the verified draft tokens are priced by the curve alone), accept."""
-        return (self.draft(r, depth) + self.verify(b, base)) * self.spec_scale
+    def cost(self, r: float, b: int, depth: int | None = None) -> float:
+        """Seconds of a speculative step: draft depth positions for r requests, verify b tokens, accept."""
+        return (self.draft(r, depth) + self.verify(b)) * self.spec_scale
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    def observe_plain(self, b: int, seconds: float, forward: float | None = None, decoding: bool = True) -> None:
-        """A whole plain step of b tokens took these seconds, its target forward `forward` of them. decoding:
-        every row one decode token, the reference drafted forwards of its bucket are measured against."""
-        self.clock += 1
+    def observe_plain(self, b: int, seconds: float, forward: float | None = None) -> None:
+        """A whole plain step of b tokens took these seconds, its target forward `forward` of them."""
         self.observe_forward(b, seconds if forward is None else forward)
         if forward is not None:
             self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
-            if decoding:
-                self.observe_decode(b, forward)
 
     def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None,
-                        forward: float | None = None, base: int | None = None) -> None:
-        """A whole drafted step (proposal of depth positions for r requests, b forward tokens, base of them
-        without drafts) took these seconds, its target forward `forward` of them (None: not timed apart; the
-        machine scale stays)."""
-        self.clock += 1
+                        forward: float | None = None) -> None:
+        """A whole drafted step (proposal of depth positions for r requests, b forward tokens) took these
+        seconds, its target forward `forward` of them (None: not timed apart; the machine scale stays)."""
         if forward is not None:
-            if base is not None and b > base:
-                self.observe_surcharge(b, base, forward)
-            self.observe_forward(b, forward, base)
-        predicted = self.draft(r, depth) + self.verify(b, base)
+            self.observe_forward(b, forward)
+        predicted = self.draft(r, depth) + self.verify(b)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
-    def observe_decode(self, b: int, forward: float) -> None:
-        """A plain forward of b decode tokens took these seconds: its bucket's reference, smoothed while fresh."""
-        i = bucket(b)
-        grow = i + 1 - len(self.decode_ratio)
-        self.decode_ratio.extend([0.0] * grow)
-        self.decode_at.extend([-EXTRA_FRESH - 1] * grow)
-        ratio = forward / interp(self.tokens, self.verify_s, b)
-        fresh = self.clock - self.decode_at[i] <= EXTRA_FRESH
-        self.decode_ratio[i] = 0.7 * self.decode_ratio[i] + 0.3 * ratio if fresh else ratio
-        self.decode_at[i] = self.clock
-
-    def observe_surcharge(self, b: int, base: int, forward: float) -> None:
-        """A forward of b tokens, b - base of them verified draft tokens, took these seconds: what each of them
-        cost beyond the curve, against a fresh plain decode forward of its bucket (none: nothing measured)."""
-        i = bucket(base)
-        if i >= len(self.decode_at) or self.clock - self.decode_at[i] > EXTRA_FRESH:
-            return
-        self.extra_seen.extend([] for _ in range(i + 1 - len(self.extra_seen)))
-        per_token = max(0.0, forward / self.decode_ratio[i] - interp(self.tokens, self.verify_s, b)) / (b - base)
-        self.extra_seen[i] = [*self.extra_seen[i], per_token][-EXTRA_KEPT:]
-
-    def observe_forward(self, b: int, seconds: float, base: int | None = None) -> None:
-        """A target forward of b tokens (base of them without drafts) took these seconds: the machine's speed."""
-        profiled = interp(self.tokens, self.verify_s, b)
-        if base is not None and b > base:
-            profiled += self.extra_per_token(base) * (b - base)
-        self.verify_scale = self._smoothed(self.verify_scale, profiled, seconds)
+    def observe_forward(self, b: int, seconds: float) -> None:
+        """A target forward of b tokens took these seconds: the machine's speed."""
+        self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float, clip: float = 10.0) -> float:
         """One step's measured / profiled ratio, clipped to [1/clip, clip], folded into the scale. The

@@ -128,9 +128,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
         print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")
     shallow = prof.shallow_s or [None] * len(prof.requests)
-    for r, t, one in zip(prof.requests, prof.draft_s, shallow, strict=True):
+    sampled = prof.sampled_s or [None] * len(prof.requests)
+    for r, t, one, hot in zip(prof.requests, prof.draft_s, shallow, sampled, strict=True):
         cut = "" if one is None else f"  (one position: {one * 1000:8.2f} ms)"
-        print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms{cut}")
+        every = "" if hot is None else f"  (sampling, every token: {hot * 1000:8.2f} ms)"
+        print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms{cut}{every}")
     if args.plot:
         from dspark.spec.profile import plot
 

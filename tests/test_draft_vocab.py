@@ -1,6 +1,7 @@
 """Draft vocabularies (`dspark draft-vocab`, `--draft-vocab N`): the token counts file, the
-restricted proposal (tokens inside the set, probabilities zero outside it), greedy output
-identical to plain decoding for every neural drafter, and clear errors for bad input."""
+restricted proposal for greedy batches (tokens inside the set) and the whole vocabulary for
+batches that sample, the profile timing both, greedy output identical to plain decoding for
+every neural drafter, and clear errors for bad input."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def propose(drafter, rows):
 
 
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
-def test_restricted_block_drafts_inside_the_set(qwen3_dir, kind):
+def test_greedy_batches_draft_inside_the_set_and_sampling_ones_over_every_token(qwen3_dir, kind):
     engine = engine_for(qwen3_dir, kind, "static:7", None)
     drafter, vocab = engine.drafter, engine.model.config.vocab_size
     greedy, sampled = (SamplingRows.same(1, SamplingParams(temperature=t)) for t in (0.0, 1.0))
@@ -67,24 +68,43 @@ def test_restricted_block_drafts_inside_the_set(qwen3_dir, kind):
     assert torch.equal(full.tokens, again.tokens) and full.probs is None and again.probs is None
     subset = list(range(1, vocab, 3))
     drafter.restrict_vocab(subset)
-    block = propose(drafter, sampled)
-    assert set(block.tokens.flatten().tolist()) <= set(subset)
+    assert drafter.splits_vocab
+    assert set(propose(drafter, greedy).tokens.flatten().tolist()) <= set(subset)
+    block = propose(drafter, sampled)  # a batch that samples drafts over every token
     assert block.probs.shape[-1] == vocab
     outside = torch.ones(vocab, dtype=torch.bool)
     outside[subset] = False
-    assert float(block.probs[..., outside].abs().max()) == 0.0
+    assert float(block.probs[..., outside].sum(-1).min()) > 0.0
     assert torch.allclose(block.probs.sum(-1), torch.ones(1, drafter.gamma))
+    assert set(propose(drafter, greedy).tokens.flatten().tolist()) <= set(subset)  # and greedy is narrow again
     with pytest.raises(RuntimeError, match="serves only"):
         drafter.train_forward(torch.zeros(1, 8, len(drafter.taps) * drafter.config.hidden_size),
                               torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     drafter.restrict_vocab(None)
-    assert propose(drafter, sampled).probs.shape[-1] == vocab
+    assert not drafter.splits_vocab and propose(drafter, sampled).probs.shape[-1] == vocab
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_markov_table_drafts_what_the_head_product_drafts(qwen3_dir, temperature):
-    """Over a draft vocabulary the markov bias after a draft token is read from its table row; the
-    block (tokens, distributions, confidences) is the one the lookup-and-product step gives."""
+def test_a_batch_mixing_greedy_and_sampling_rows_drafts_over_every_token(qwen3_dir):
+    """One sampling row widens the whole proposal: its greedy row then drafts the full vocabulary's argmax."""
+    engine = engine_for(qwen3_dir, "dspark", "static:7", None)
+    drafter, vocab = engine.drafter, engine.model.config.vocab_size
+    with torch.no_grad():  # a head that moves the logits, so the narrow and the full block differ
+        drafter.head.w2.weight.normal_(std=2.0)
+    full = propose(drafter, SamplingRows.same(1, SamplingParams(temperature=0.0))).tokens
+    drafter.pool.free("r")
+    drafter.restrict_vocab([t for t in range(vocab) if t not in set(full.flatten().tolist())])
+    rows = SamplingRows.build([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)])
+    inputs = [ProposeInput(sid, anchor=5, context_len=0, tokens=[5], generator=torch.Generator().manual_seed(1))
+              for sid in ("a", "b")]
+    for sid in ("a", "b"):
+        drafter.pool.append(sid, 0)
+    mixed = drafter.propose(inputs, rows)
+    assert torch.equal(mixed.tokens[0], full[0])  # outside the draft vocabulary: drafted over every token
+
+
+def test_markov_table_drafts_what_the_head_product_drafts(qwen3_dir):
+    """Over a draft vocabulary (a greedy batch) the markov bias after a draft token is read from its
+    table row; the block (tokens, confidences) is the one the lookup-and-product step gives."""
     engine = engine_for(qwen3_dir, "dspark", "static:7", None)
     drafter = engine.drafter
     with torch.no_grad():  # a head that moves the logits, so a wrong row would change the draft
@@ -94,16 +114,16 @@ def test_markov_table_drafts_what_the_head_product_drafts(qwen3_dir, temperature
     assert head.table is not None and head.table.shape == (len(drafter.vocab_ids),) * 2
     e = head.w1(drafter.vocab_ids[:5])
     assert torch.allclose(head.table[:5], head.out(e).float(), atol=1e-5)
-    rows = SamplingRows.same(1, SamplingParams(temperature=temperature))
+    rows = SamplingRows.same(1, SamplingParams(temperature=0.0))
     by_table = propose(drafter, rows)
     drafter.pool.free("r")
     head.table = None
     by_product = propose(drafter, rows)
     assert torch.equal(by_table.tokens, by_product.tokens)
-    assert (by_table.probs is None) == (temperature == 0.0)
-    if by_table.probs is not None:
-        assert torch.allclose(by_table.probs, by_product.probs, atol=1e-5)
     assert torch.allclose(by_table.confidence, by_product.confidence, atol=1e-6)
+    drafter.pool.free("r")
+    drafter.select_vocab(SamplingRows.same(1, SamplingParams(temperature=1.0)))
+    assert head.active_table is None and head.out(e).shape[-1] == drafter.config.vocab_size
 
 
 def test_bad_draft_vocabularies_are_refused(qwen3_dir):
@@ -187,3 +207,23 @@ def test_a_drafter_ships_its_draft_vocabulary(tmp_path, qwen3_dir):
     assert build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off", draft_vocab=0).drafter.vocab_ids is None
     assert len(build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off",
                             draft_vocab=32).drafter.vocab_ids) == 32
+
+
+def test_the_profile_times_a_split_vocabulary_both_ways(tmp_path, qwen3_dir, monkeypatch):
+    """A drafter that drafts greedy batches over a draft vocabulary and sampled ones over every token has
+    both proposals timed (`sampled_s` beside `draft_s`); one drafting over every token has one curve."""
+    from dspark.engine.profiler import CACHE_ENV
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "profiles"))
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_dir, model)
+    net, tok = load_model(model)
+    vocab = net.config.vocab_size
+    write_counts(model, Counter({t: vocab - t for t in range(vocab)}), "test")
+    d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0))
+    save_drafter(d, d.config, tmp_path / "drafter")
+    cfg = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=24)
+    split = build_engine(model, str(tmp_path / "drafter"), "dspark", cfg, draft_vocab=16).runner.profile
+    assert len(split.sampled_s) == len(split.requests) == len(split.draft_s)
+    whole = build_engine(model, str(tmp_path / "drafter"), "dspark", cfg, draft_vocab=0).runner.profile
+    assert whole.sampled_s == [] and whole.key != split.key

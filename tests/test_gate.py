@@ -463,3 +463,21 @@ def test_probes_priced_by_what_they_were_measured_to_cost():
     gate.observe_probe(1, 0.01)  # a probe that cost no more than a plain step
     assert gate.probe_cost(1) == pytest.approx(1.5)
     Gate(cfg, stats(accept=False), None).observe_probe(1, 0.04)  # no profile: nothing to price by
+
+
+def test_a_batch_that_samples_is_priced_with_its_wider_proposal():
+    """Where sampling batches draft over every token and greedy ones over a draft vocabulary, the profile
+    adds the wider proposal's extra cost per position drafted, and the gate judges each kind of batch by it."""
+    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.010, 0.010], requests=[1, 8], draft_s=[0.002, 0.004],
+                       gamma=GAMMA, sampled_s=[0.006, 0.012])
+    assert prof.draft(1) == pytest.approx(0.002) and prof.draft(1, sampled=True) == pytest.approx(0.006)
+    assert prof.draft(8, sampled=True) == pytest.approx(0.012)
+    assert prof.cost(1, 5, sampled=True) == pytest.approx(0.016)
+    cut = replace(prof, shallow_s=[0.001, 0.002])
+    assert cut.draft(1, 2, sampled=True) == pytest.approx(0.001 + 0.001 / 3 + 0.004 * 2 / GAMMA)
+    assert replace(prof, sampled_s=[0.001, 0.001]).sampled_s == [0.002, 0.004]  # never below the greedy proposal
+    costly = replace(prof, draft_s=[0.001, 0.001], sampled_s=[0.050, 0.050])
+    gate = Gate(GateConfig(probe_every=1000), stats(accept=True), costly)
+    assert gate.should_draft(1, [GAMMA])
+    assert not gate.should_draft(1, [GAMMA], sampled=True)  # judged afresh, not the greedy verdict remembered
+    assert gate.should_draft(1, [GAMMA])

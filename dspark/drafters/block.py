@@ -84,6 +84,7 @@ class BlockDrafter(NeuralDrafter):
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         depth = depth_of(self, depth)
+        self.select_vocab(rows)
         first = 0 if self.config.anchor_slot else 1  # DFlash: the anchor's slot predicts nothing
         # a bidirectional block runs whole and its first gamma proposals are kept; a causal one only as deep as asked
         g, dev = first + depth if self.config.causal_block else self.config.slots, self.target.device
@@ -111,10 +112,14 @@ class BlockDrafter(NeuralDrafter):
         if self.head is not None:
             self.head.restrict(ids)
 
+    def narrow_heads(self, narrow: bool) -> None:
+        if self.head is not None:
+            self.head.narrow = narrow
+
     def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
         """Left-to-right sampling of the block's positions from hidden [R, depth, d]."""
         base = self.lm_head(hidden)  # [R, depth, V] float32 (or [R, depth, N] over a draft vocabulary)
-        table = None if self.head is None else self.head.table
+        table = None if self.head is None else self.head.active_table
         prev, index, state = anchors, None, None
         picks, probs = [], []
         for k in range(hidden.shape[1]):

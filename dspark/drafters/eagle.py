@@ -115,6 +115,7 @@ class Eagle3Drafter(NeuralDrafter):
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        self.select_vocab(rows)
         dev = self.target.device
         for i in inputs:
             if i.context_len < 1 or self.pool.length(i.seq_id) != i.context_len - 1:

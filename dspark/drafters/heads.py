@@ -39,6 +39,7 @@ class SequentialHead(nn.Module):
         self.rank = rank
         self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
         self.table: torch.Tensor | None = None  # markov over a draft vocabulary: [N, N] bias after each draft token
+        self.narrow = True  # whether this proposal biases the draft vocabulary alone (`NeuralDrafter.select_vocab`)
 
     def restrict(self, ids: torch.Tensor | None) -> None:
         """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
@@ -50,9 +51,14 @@ class SequentialHead(nn.Module):
         if self.kind == "markov" and len(ids) ** 2 * 4 <= TABLE_BYTES:
             self.table = transitions(self.w1.weight.detach()[ids], rows)
 
+    @property
+    def active_table(self) -> torch.Tensor | None:
+        """The transition table when this proposal drafts over the draft vocabulary, else None."""
+        return self.table if self.narrow else None
+
     def out(self, x: torch.Tensor) -> torch.Tensor:
         """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""
-        return self.w2(x) if self.rows is None else self.rows(x)
+        return self.w2(x) if self.rows is None or not self.narrow else self.rows(x)
 
     def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
         """h [..., d], prev [...] long -> (bias [..., V], W1[prev] [..., r], new state)."""

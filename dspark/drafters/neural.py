@@ -11,6 +11,13 @@ tokens come from that set, and the draft distribution handed to the verifier is 
 elsewhere. Verification accepts and resamples against the target's full distribution, so
 the output distribution is unchanged; only acceptance (the mass outside the set) and the
 proposal's cost move. Serving only: training always uses the full vocabulary.
+
+The draft vocabulary is chosen per proposal (`select_vocab`): a batch of greedy requests drafts
+over the reduced set, a batch where any request samples over every token. Greedy drafts are
+argmaxes, which a frequent-token set nearly always holds; sampling at temperature 1 draws
+from the tail too, and the 2,048-token set of dspark-small cost its DSpark drafter 7-10% of
+its acceptance length there, more than the cheaper proposal saved (`docs/benchmarks.md`). A
+checkpoint whose own LM head fixes its draft vocabulary (a d2t map) drafts over it always.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class NeuralDrafter(nn.Module, Drafter):
         self.cache: PagedKVCache | None = None
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft vocabulary (None: all)
         self.vocab_head: Product | None = None  # the product with the LM head's rows [N, d] for them
+        self.narrow = True  # whether this proposal drafts over the draft vocabulary (`select_vocab`)
         # a checkpoint's own LM head over its fixed draft vocabulary (EAGLE-3, speculators' d2t)
         self.own_head = nn.Linear(config.hidden_size, len(config.draft_vocab) or config.vocab_size, bias=False) \
             if config.own_lm_head else None
@@ -57,7 +65,7 @@ class NeuralDrafter(nn.Module, Drafter):
         over the draft vocabulary when one is set."""
         if self.own_head is not None:
             return self.own_head(hidden).float()
-        if self.vocab_head is not None:
+        if self.vocab_head is not None and self.narrow:
             return self.vocab_head(hidden).float()
         return self.target.logits(hidden, normed=True)
 
@@ -84,6 +92,22 @@ class NeuralDrafter(nn.Module, Drafter):
         self.vocab_head = Product(rows, None, [rows])
         self.restrict_heads(self.vocab_ids)
 
+    @property
+    def fixed_vocab(self) -> bool:
+        """Whether the checkpoint fixes the draft vocabulary (its own LM head over a d2t map)."""
+        return bool(self.config.draft_vocab)
+
+    @property
+    def splits_vocab(self) -> bool:
+        """Whether greedy and sampled batches draft over different vocabularies (`select_vocab`)."""
+        return self.vocab_ids is not None and not self.fixed_vocab
+
+    def select_vocab(self, rows: SamplingRows) -> None:
+        """Draft this proposal over the draft vocabulary when every row is greedy, else over every
+        token (a checkpoint's fixed draft vocabulary always); every proposal calls it first."""
+        self.narrow = rows.all_greedy or self.fixed_vocab
+        self.narrow_heads(self.narrow)
+
     def check_trainable(self) -> None:
         if self.vocab_ids is not None:
             raise RuntimeError("a drafter restricted to a draft vocabulary serves only; train it with every token")
@@ -91,13 +115,16 @@ class NeuralDrafter(nn.Module, Drafter):
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         """Subclasses with their own vocabulary-sized outputs restrict them here."""
 
+    def narrow_heads(self, narrow: bool) -> None:
+        """Subclasses with their own vocabulary-sized outputs follow `select_vocab` here."""
+
     def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Sampled positions in the draft vocabulary -> token ids."""
-        return index if self.vocab_ids is None else self.vocab_ids[index]
+        """Sampled positions in the vocabulary drafted over -> token ids."""
+        return index if self.vocab_ids is None or not self.narrow else self.vocab_ids[index]
 
     def full_probs(self, probs: torch.Tensor) -> torch.Tensor:
         """Draft distributions [..., N] over the draft vocabulary -> [..., V], zero outside it."""
-        if self.vocab_ids is None:
+        if self.vocab_ids is None or not self.narrow:
             return probs
         full = probs.new_zeros(*probs.shape[:-1], self.config.vocab_size)
         return full.index_copy_(-1, self.vocab_ids, probs)

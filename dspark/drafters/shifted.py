@@ -76,6 +76,7 @@ class ShiftedDrafter(NeuralDrafter):
 
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
+        self.select_vocab(rows)
         dev, d = self.target.device, self.config.hidden_size
         feat = torch.stack([self.last[i.seq_id] if i.context_len else torch.zeros(d, device=dev, dtype=self.target.dtype)
                             for i in inputs])

@@ -80,11 +80,12 @@ class Gate:
         self.memo: tuple[tuple, int, int] | None = None  # (key, age in steps, verdict: the depth)
         self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
         self.probe_extra: float | None = None  # what probes measured to cost beyond a plain step, in plain steps
+        self.sampled = False  # whether the batch judged samples (its proposal may draft over more tokens)
 
     def cost(self, r: float, b: int, depth: int | None = None) -> float:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
         assert self.profile is not None
-        return self.profile.cost(r * self.draft_share, b, depth)
+        return self.profile.cost(r * self.draft_share, b, depth, self.sampled)
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
@@ -94,10 +95,12 @@ class Gate:
         """Disabled, or no profile to judge by: every step with slots drafts."""
         return not self.cfg.enabled or self.profile is None
 
-    def should_draft(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
+    def should_draft(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = (),
+                     sampled: bool = False) -> bool:
         """A step scheduled with draft slots: draft (verdict open, or a probe is due) or not. `own`:
-        each request's own acceptance record (None: none yet; empty: the shared estimates for all)."""
-        self.probing = False
+        each request's own acceptance record (None: none yet; empty: the shared estimates for all);
+        `sampled`: whether any of the requests samples."""
+        self.probing, self.sampled = False, sampled
         if self.idle:
             return True
         if self.judge(num_requests, caps, own):
@@ -146,10 +149,11 @@ class Gate:
         self.probe_extra = extra if self.probe_extra is None else 0.5 * (self.probe_extra + extra)
         self.interval = min(self.longest_interval(num_requests), max(self.interval, self.shortest_interval(num_requests)))
 
-    def withheld(self, num_requests: int, gamma: int, own: Sequence[AcceptanceStats | None] = ()) -> None:
+    def withheld(self, num_requests: int, gamma: int, own: Sequence[AcceptanceStats | None] = (),
+                 sampled: bool = False) -> None:
         """A step scheduled without draft slots (the gate was closed): advance the probe clock
         and judge whether drafting would pay now, so that the next step reserves slots."""
-        self.probing = False
+        self.probing, self.sampled = False, sampled
         if self.idle:
             return
         if not self.judge(num_requests, [gamma] * num_requests, own):
@@ -180,7 +184,7 @@ class Gate:
 
     def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
         """The depth to draft at (`predict`), remembered for a few steps; 0: drafting does not pay."""
-        key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)))  # records change with version
+        key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)), self.sampled)  # records change with version
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
             return self.memo[2]

@@ -3,7 +3,9 @@
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
 step); drafter proposals are timed for R requests, at full depth and, for a drafter that
-cuts exactly, at one position. Each point is the least of a few calls, taken in rounds
+cuts exactly, at one position; a drafter that drafts greedy batches over a draft vocabulary
+and sampled ones over every token (`NeuralDrafter.select_vocab`) is timed both ways, greedy rows
+for `draft_s` and sampling rows for `sampled_s`. Each point is the least of a few calls, taken in rounds
 that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
@@ -32,7 +34,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "numpy-grids"  # changed whenever what a profile measures changes (its grids, or the engine's step
+REVISION = "vocab-per-batch"  # changed whenever what a profile measures changes (its grids, or the engine's step
 # costs, such as the cache layout): a profile cached by an older version is measured again
 
 
@@ -147,8 +149,10 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
             for sid in ids:
                 pool.free(sid)
 
-    def draft_time(inputs: list[ProposeInput], depth: int | None = None) -> float:
-        rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
+    split = getattr(drafter, "splits_vocab", False)
+
+    def draft_time(inputs: list[ProposeInput], depth: int | None = None, sampled: bool = True) -> float:
+        rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0 if sampled else 0.0), base.device)
         return once(lambda: drafter.propose(inputs, rows, depth), base.device)
 
     tokens = grid(budget)
@@ -162,11 +166,14 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             cuts = drafter.cuts_exactly and gamma > 1
-            points = [partial(draft_time, inputs[:r], depth) for depth in ((None, 1) if cuts else (None,)) for r in requests]
+            points = [partial(draft_time, inputs[:r], depth, not split)
+                      for depth in ((None, 1) if cuts else (None,)) for r in requests]
+            points += [partial(draft_time, inputs[:r]) for r in requests] if split else []
             drafted = least(points, repeats)
-            draft_s, shallow_s = drafted[:len(requests)], drafted[len(requests):]
+            n = len(requests)
+            draft_s, shallow_s, sampled_s = drafted[:n], drafted[n:2 * n] if cuts else [], drafted[-n:] if split else []
         finally:
             for sid in ids:
                 drafter.free(sid)
     return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s, gamma=gamma,
-                       shallow_s=shallow_s)
+                       shallow_s=shallow_s, sampled_s=sampled_s)

@@ -80,14 +80,16 @@ class SpeculativeRunner:
         other_tokens = sum(s.num_new_tokens for s in scheduled if not self._decodes(s))
         drafting = bool(decode) and not isinstance(self.policy, NoSpeculation) and any(caps)
         own = [self.own.get(s.request.request_id) for s in decode] if self.keeps_records else []
+        sampled = self._samples(decode)
         if decode and not drafting and self.gate is not None:
-            self.gate.withheld(len(decode), self.gamma, own)
+            self.gate.withheld(len(decode), self.gamma, own, sampled)
         decoding = len(decode)
         if drafting and self.gate is not None:
-            drafting = self.gate.should_draft(decoding, caps, own)
+            drafting = self.gate.should_draft(decoding, caps, own, sampled)
             if drafting and self.gate.probing:
                 decode = self.gate.probe_subset(decode, self.steps)
                 caps = [s.num_lookahead for s in decode]
+                sampled = self._samples(decode)
         if not drafting:
             decode = []  # every request takes the plain path; the drafter is not called
         drafted_ids = {id(s) for s in decode}
@@ -102,7 +104,7 @@ class SpeculativeRunner:
             proposed = time.perf_counter()
             # catch_up: the context committed since the drafter last drafted for these requests
             result.times["catch_up"], result.times["draft"] = caught_up - t0, proposed - caught_up
-            lengths = self._choose(block, caps, other_tokens, depth)
+            lengths = self._choose(block, caps, other_tokens, depth, sampled)
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - sum(result.times.values())
         drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
@@ -121,12 +123,18 @@ class SpeculativeRunner:
         if decode and self.gate is not None and block is not None and block.num_drafted is not None:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
-        self._observe(drafted, batch.num_tokens, result, drafting, depth)
+        self._observe(drafted, batch.num_tokens, result, drafting, depth, sampled)
         if drafting and self.gate is not None and self.gate.probing and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
         return result
 
     # ---- pieces ---------------------------------------------------------------------------
+    @staticmethod
+    def _samples(decode: Sequence[ScheduledRequest]) -> bool:
+        """Whether any of these requests samples: its proposal then drafts over every token, not the
+        draft vocabulary alone (`NeuralDrafter.select_vocab`), and is priced so."""
+        return not all(s.request.params.greedy for s in decode)
+
     @staticmethod
     def _decodes(s: ScheduledRequest) -> bool:
         return s.samples and s.num_new_tokens == 1 and bool(s.request.output_ids)
@@ -136,16 +144,17 @@ class SpeculativeRunner:
         inputs = [ProposeInput(r.request_id, r.all_ids[-1], r.num_computed, r.all_ids, r.generator) for r in reqs]
         return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device), depth)
 
-    def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int, depth: int | None) -> list[int]:
+    def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int, depth: int | None,
+                sampled: bool = False) -> list[int]:
         if block.num_valid is not None:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
         profile, drafted = self.profile, block.num_drafted
-        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth)  # noqa: E731
+        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, sampled)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
-            cost = lambda r, b: profile.cost(drafted, b, depth)  # noqa: E731
+            cost = lambda r, b: profile.cost(drafted, b, depth, sampled)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -215,7 +224,7 @@ class SpeculativeRunner:
             self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool,
-                 depth: int | None = None) -> None:
+                 depth: int | None = None, sampled: bool = False) -> None:
         self.steps += 1
         self.drafted_steps += int(drafted)
         if self.profile is None:
@@ -228,7 +237,7 @@ class SpeculativeRunner:
         # its kernels are queued and the step waits for them later, so only the whole step is timed there
         forward = result.times.get("verify") if self.device.type == "cpu" else None
         if drafted:
-            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward)
+            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward, sampled)
         else:
             self.profile.observe_plain(num_tokens, seconds, forward)
 

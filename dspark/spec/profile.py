@@ -65,6 +65,9 @@ class StepProfile:
     gamma: int = 1  # positions of a full proposal (draft_s)
     shallow_s: list[float] = field(default_factory=list)  # seconds per one-position proposal for R requests
     #                                                       (a drafter that cuts exactly; empty: every depth costs a full one)
+    sampled_s: list[float] = field(default_factory=list)  # seconds per full proposal for R requests in a batch
+    #   that samples, where such a batch drafts over more tokens than a greedy one (`NeuralDrafter.select_vocab`;
+    #   empty: the same as draft_s)
     smoothing: float = 0.05
     verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
     plain_scale: float = 1.0  # whole plain steps / their forward's prediction, smoothed, on top of verify_scale
@@ -76,6 +79,7 @@ class StepProfile:
         # a noisy one-token point above the two-token one made drafting look free at one request
         self.verify_s, self.draft_s = nondecreasing(self.verify_s), nondecreasing(self.draft_s)
         self.shallow_s = [min(a, b) for a, b in zip(nondecreasing(self.shallow_s), self.draft_s, strict=False)]
+        self.sampled_s = [max(a, b) for a, b in zip(nondecreasing(self.sampled_s), self.draft_s, strict=False)]
 
     @property
     def cuts(self) -> bool:
@@ -89,23 +93,27 @@ class StepProfile:
     def forward(self, b: int) -> float:
         return interp(self.tokens, self.verify_s, b) * self.verify_scale
 
-    def draft(self, r: float, depth: int | None = None) -> float:
+    def draft(self, r: float, depth: int | None = None, sampled: bool = False) -> float:
         """Seconds of a proposal of depth positions (None: gamma) for r requests, linear in the depth
         between the one-position and the full proposal; below one request (a router that sends a
-        fraction of its requests to this drafter), one request's proposal in that fraction of the steps."""
+        fraction of its requests to this drafter), one request's proposal in that fraction of the steps.
+        A batch that samples adds what its larger vocabulary costs, per position (`sampled_s`)."""
         if r <= 0:
             return 0.0
         if r < 1:
-            return r * self.draft(1, depth)
+            return r * self.draft(1, depth, sampled)
         full = interp(self.requests, self.draft_s, r)
-        if self.cuts and depth is not None and depth < self.gamma:
+        positions = self.gamma if depth is None else min(max(1, depth), self.gamma)
+        extra = interp(self.requests, self.sampled_s, r) - full if sampled and self.sampled_s else 0.0
+        if self.cuts and positions < self.gamma:
             one = interp(self.requests, self.shallow_s, r)
-            full = one + (full - one) * (max(1, depth) - 1) / (self.gamma - 1)
-        return full * self.verify_scale
+            full = one + (full - one) * (positions - 1) / (self.gamma - 1)
+        return (full + extra * positions / self.gamma) * self.verify_scale
 
-    def cost(self, r: float, b: int, depth: int | None = None) -> float:
-        """Seconds of a speculative step: draft depth positions for r requests, verify b tokens, accept."""
-        return (self.draft(r, depth) + self.verify(b)) * self.spec_scale
+    def cost(self, r: float, b: int, depth: int | None = None, sampled: bool = False) -> float:
+        """Seconds of a speculative step: draft depth positions for r requests (a batch that samples, or
+        not), verify b tokens, accept."""
+        return (self.draft(r, depth, sampled) + self.verify(b)) * self.spec_scale
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
@@ -117,12 +125,13 @@ class StepProfile:
             self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
 
     def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None,
-                        forward: float | None = None) -> None:
-        """A whole drafted step (proposal of depth positions for r requests, b forward tokens) took these
-        seconds, its target forward `forward` of them (None: not timed apart; the machine scale stays)."""
+                        forward: float | None = None, sampled: bool = False) -> None:
+        """A whole drafted step (proposal of depth positions for r requests, b forward tokens; a batch that
+        samples, or not) took these seconds, its target forward `forward` of them (None: not timed apart;
+        the machine scale stays)."""
         if forward is not None:
             self.observe_forward(b, forward)
-        predicted = self.draft(r, depth) + self.verify(b)
+        predicted = self.draft(r, depth, sampled) + self.verify(b)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
     def observe_forward(self, b: int, seconds: float) -> None:

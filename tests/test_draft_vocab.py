@@ -227,3 +227,20 @@ def test_the_profile_times_a_split_vocabulary_both_ways(tmp_path, qwen3_dir, mon
     assert len(split.sampled_s) == len(split.requests) == len(split.draft_s)
     whole = build_engine(model, str(tmp_path / "drafter"), "dspark", cfg, draft_vocab=0).runner.profile
     assert whole.sampled_s == [] and whole.key != split.key
+
+
+def test_a_held_vocabulary_overrides_the_rows_choice(qwen3_dir):
+    """The profile times the draft vocabulary's proposal with sampling rows: held narrow, a sampling batch
+    drafts inside the set; released, it drafts over every token again."""
+    engine = engine_for(qwen3_dir, "dspark", "static:7", None)
+    drafter, vocab = engine.drafter, engine.model.config.vocab_size
+    subset = list(range(1, vocab, 3))
+    drafter.restrict_vocab(subset)
+    sampled = SamplingRows.same(1, SamplingParams(temperature=1.0))
+    with drafter.hold_vocab(narrow=True):
+        block = propose(drafter, sampled)
+    outside = torch.ones(vocab, dtype=torch.bool)
+    outside[subset] = False
+    assert set(block.tokens.flatten().tolist()) <= set(subset) and float(block.probs[..., outside].abs().max()) == 0.0
+    drafter.pool.free("r")
+    assert drafter.held is None and float(propose(drafter, sampled).probs[..., outside].sum(-1).min()) > 0.0

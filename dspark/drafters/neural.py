@@ -23,6 +23,7 @@ checkpoint whose own LM head fixes its draft vocabulary (a d2t map) drafts over 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ class NeuralDrafter(nn.Module, Drafter):
         self.vocab_ids: torch.Tensor | None = None  # [N] token ids of the draft vocabulary (None: all)
         self.vocab_head: Product | None = None  # the product with the LM head's rows [N, d] for them
         self.narrow = True  # whether this proposal drafts over the draft vocabulary (`select_vocab`)
+        self.held: bool | None = None  # a choice that overrides select_vocab's (`hold_vocab`; None: none)
         # a checkpoint's own LM head over its fixed draft vocabulary (EAGLE-3, speculators' d2t)
         self.own_head = nn.Linear(config.hidden_size, len(config.draft_vocab) or config.vocab_size, bias=False) \
             if config.own_lm_head else None
@@ -105,8 +107,18 @@ class NeuralDrafter(nn.Module, Drafter):
     def select_vocab(self, rows: SamplingRows) -> None:
         """Draft this proposal over the draft vocabulary when every row is greedy, else over every
         token (a checkpoint's fixed draft vocabulary always); every proposal calls it first."""
-        self.narrow = rows.all_greedy or self.fixed_vocab
+        self.narrow = rows.all_greedy or self.fixed_vocab if self.held is None else self.held
         self.narrow_heads(self.narrow)
+
+    @contextmanager
+    def hold_vocab(self, narrow: bool):
+        """Inside: every proposal drafts over the draft vocabulary (narrow) or over every token, whatever
+        its rows (the step profile times the draft vocabulary's proposal with sampling rows)."""
+        self.held = narrow or self.fixed_vocab
+        try:
+            yield
+        finally:
+            self.held = None
 
     def check_trainable(self) -> None:
         if self.vocab_ids is not None:

@@ -3,9 +3,14 @@
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
 step); drafter proposals are timed for R requests, at full depth and, for a drafter that
-cuts exactly, at one position; a drafter that drafts greedy batches over a draft vocabulary
-and sampled ones over every token (`NeuralDrafter.select_vocab`) is timed both ways, greedy rows
-for `draft_s` and sampling rows for `sampled_s`. Each point is the least of a few calls, taken in rounds
+cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
+drafter's draft vocabulary; one that drafts batches that sample over every token
+(`NeuralDrafter.select_vocab`) is timed so too, for `sampled_s`. Greedy batches are priced by the
+sampling rows' time, which is more than an argmax block costs (13 against 25 ms for 64 requests,
+dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed
+requests where drafting lost, 0.92x plain decoding against 1.00x
+(`docs/results/online/greedy-price/`), since the gate's step model misses what a drafted step
+pays around the proposal under load (`docs/benchmarks.md`). Each point is the least of a few calls, taken in rounds
 that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
@@ -34,7 +39,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "vocab-per-batch"  # changed whenever what a profile measures changes (its grids, or the engine's step
+REVISION = "vocab-per-batch-2"  # changed whenever what a profile measures changes (its grids, or the engine's step
 # costs, such as the cache layout): a profile cached by an older version is measured again
 
 
@@ -151,9 +156,12 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     split = getattr(drafter, "splits_vocab", False)
 
-    def draft_time(inputs: list[ProposeInput], depth: int | None = None, sampled: bool = True) -> float:
-        rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0 if sampled else 0.0), base.device)
-        return once(lambda: drafter.propose(inputs, rows, depth), base.device)
+    def draft_time(inputs: list[ProposeInput], depth: int | None = None, every_token: bool = False) -> float:
+        rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
+        if not split:
+            return once(lambda: drafter.propose(inputs, rows, depth), base.device)
+        with drafter.hold_vocab(narrow=not every_token):
+            return once(lambda: drafter.propose(inputs, rows, depth), base.device)
 
     tokens = grid(budget)
     requests = grid(max_r)
@@ -166,9 +174,8 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             cuts = drafter.cuts_exactly and gamma > 1
-            points = [partial(draft_time, inputs[:r], depth, not split)
-                      for depth in ((None, 1) if cuts else (None,)) for r in requests]
-            points += [partial(draft_time, inputs[:r]) for r in requests] if split else []
+            points = [partial(draft_time, inputs[:r], depth) for depth in ((None, 1) if cuts else (None,)) for r in requests]
+            points += [partial(draft_time, inputs[:r], None, True) for r in requests] if split else []
             drafted = least(points, repeats)
             n = len(requests)
             draft_s, shallow_s, sampled_s = drafted[:n], drafted[n:2 * n] if cuts else [], drafted[-n:] if split else []

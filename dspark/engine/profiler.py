@@ -10,8 +10,8 @@ sampling rows' time, which is more than an argmax block costs (13 against 25 ms 
 dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed
 requests where drafting lost, 0.92x plain decoding against 1.00x
 (`docs/results/online/greedy-price/`), since the gate's step model misses what a drafted step
-pays around the proposal under load (`docs/benchmarks.md`). Each point is the least of a few calls, taken in rounds
-that call every point in turn (`least`). Contexts are reserved in the real
+pays around the proposal under load (`docs/benchmarks.md`). Each point is the least of a few
+calls, taken in rounds that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
 per-request state beside its cache (EAGLE-3/MTP's last feature) has it.

@@ -5,7 +5,7 @@ Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verify
 step); drafter proposals are timed for R requests, at full depth and, for a drafter that
 cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
 drafter's draft vocabulary; one that drafts batches that sample over every token
-(`NeuralDrafter.select_vocab`) is timed so too, for `sampled_s`. Greedy batches are priced by the
+(`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are priced by the
 sampling rows' time, which is more than an argmax block costs (13 against 25 ms for 64 requests,
 dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed
 requests where drafting lost, 0.92x plain decoding against 1.00x

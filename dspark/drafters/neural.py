@@ -107,7 +107,7 @@ class NeuralDrafter(nn.Module, Drafter):
     def select_vocab(self, rows: SamplingRows) -> None:
         """Draft this proposal over the draft vocabulary when every row is greedy, else over every
         token (a checkpoint's fixed draft vocabulary always); every proposal calls it first."""
-        self.narrow = rows.all_greedy or self.fixed_vocab if self.held is None else self.held
+        self.narrow = (rows.all_greedy or self.fixed_vocab) if self.held is None else self.held
         self.narrow_heads(self.narrow)
 
     @contextmanager

@@ -27,6 +27,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -158,9 +159,7 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     def draft_time(inputs: list[ProposeInput], depth: int | None = None, every_token: bool = False) -> float:
         rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
-        if not split:
-            return once(lambda: drafter.propose(inputs, rows, depth), base.device)
-        with drafter.hold_vocab(narrow=not every_token):
+        with drafter.hold_vocab(narrow=not every_token) if split else nullcontext():
             return once(lambda: drafter.propose(inputs, rows, depth), base.device)
 
     tokens = grid(budget)

@@ -57,6 +57,10 @@ def test_route_moves_requests_while_tokens_per_second_rise():
     assert route(copy, neural, dear) == []
     some = StepProfile("some", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 2, 64], draft_s=[0.1, 0.5, 0.5])
     assert route(copy, neural, some) == [1]  # the second move would cost more than its gain
+    # a batch that samples drafts over every token: its dearer proposal keeps every request on the copy drafter
+    wide = StepProfile("wide", tokens=[1, 64], verify_s=[1.0, 1.0], requests=[1, 64], draft_s=[0.0, 0.0],
+                       sampled_s=[10.0, 10.0])
+    assert route(copy, neural, wide) == [1, 2, 3] and route(copy, neural, wide, sampled=True) == []
 
 
 def test_auto_and_dspark_plus_suffix_load(qwen3_dir):

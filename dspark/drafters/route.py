@@ -51,18 +51,20 @@ def expected_tokens(conf: torch.Tensor, valid: Sequence[int]) -> list[float]:
     return [sum(s[:v]) for s, v in zip(surv, valid, strict=True)]
 
 
-def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile | None, other: int = 0) -> list[int]:
-    """Indices of the requests the neural drafter should draft for (see the module docstring)."""
+def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile | None, other: int = 0,
+          sampled: bool = False) -> list[int]:
+    """Indices of the requests the neural drafter should draft for (see the module docstring); sampled: the
+    batch samples, so its neural proposal drafts over every token and is priced so (`StepProfile.draft`)."""
     order = [r for r in sorted(range(len(copy)), key=lambda r: copy[r] - neural[r]) if neural[r] > copy[r]]
     if profile is None:  # no costs known: the larger expectation wins
         return sorted(order)
     tokens = len(copy) + sum(copy)
     batch = len(copy) + other + sum(copy)
-    best, best_k = tokens / profile.cost(0, round(batch)), 0
+    best, best_k = tokens / profile.cost(0, round(batch), sampled=sampled), 0
     for k, r in enumerate(order, 1):
         gain = neural[r] - copy[r]
         tokens, batch = tokens + gain, batch + gain
-        theta = tokens / profile.cost(k, round(batch))
+        theta = tokens / profile.cost(k, round(batch), sampled=sampled)
         if theta > best:  # every prefix is weighed (no early stop: nothing here was sampled this step), so
             best, best_k = theta, k  # a fixed cost of starting the neural drafter can pay off over many requests
     return sorted(order[:best_k])
@@ -159,7 +161,7 @@ class RoutedDrafter(Drafter):
         for inp in inputs:
             self.judge(inp)
         neural = [self.kappa * self.expect.get(i.seq_id, self.prior) for i in inputs]
-        chosen = self.explore(inputs, route(copy, neural, self.profile))
+        chosen = self.explore(inputs, route(copy, neural, self.profile, sampled=not rows.all_greedy))
         sources = [self.copy.config.kind] * len(inputs)
         if chosen:
             picked = [inputs[r] for r in chosen]

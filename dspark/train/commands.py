@@ -45,6 +45,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--max-tokens", type=int, default=256)
     r.add_argument("--batch", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--temperature", type=float, default=0.7, help="0: greedy answers (default 0.7, top-p 0.8, top-k 20)")
     r.set_defaults(func=run_regen)
     d = sub.add_parser("drafter", help="train a drafter against the frozen target (resumes)")
     d.add_argument("--kind", required=True, choices=["dspark", "dflash", "eagle3", "mtp"])
@@ -106,7 +107,8 @@ def run_tokenizer(args: argparse.Namespace) -> int:
 def run_regen(args: argparse.Namespace) -> int:
     from dspark.train.regen import regenerate
 
-    n = regenerate(args.model, args.corpus, args.out, args.split, args.per_domain, args.max_tokens, args.batch, args.seed)
+    n = regenerate(args.model, args.corpus, args.out, args.split, args.per_domain, args.max_tokens, args.batch, args.seed,
+                   temperature=args.temperature)
     print(f"{n} prompts answered -> {args.out}")
     return 0
 

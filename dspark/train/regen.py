@@ -3,8 +3,11 @@ target's own distribution rather than the dataset's (`docs/architecture.md`, Cal
 
 Chat-form records of every domain (math questions, code completion tasks, "explain"
 prompts) are rendered with the chat template and answered through the project's own
-batched engine at temperature 0.7, top-p 0.8, top-k 20 (the paper's settings). Output:
-JSONL rows `{"domain", "prompt_ids", "response_ids", "finish_reason"}`.
+batched engine at temperature 0.7, top-p 0.8, top-k 20 (the paper's settings), or with
+`--temperature 0` greedily: a drafter that serves greedy requests is judged on the target's
+greedy text, which is more predictable than its sampled text and differs from it (answers
+from both can be concatenated into one training file). Output: JSONL rows `{"domain",
+"prompt_ids", "response_ids", "finish_reason", "temperature"}`.
 
     dspark train regen --model dspark-tiny --corpus ~/.cache/dspark/corpus \
         --out ~/.cache/dspark/regen/train.jsonl --per-domain 2000 --max-tokens 256
@@ -30,12 +33,26 @@ def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int 
     return out
 
 
-def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train", per_domain: int = 2000,
-               max_tokens: int = 256, batch: int = 64, seed: int = 0, device: str = "cpu") -> int:
-    from dspark.config import EngineConfig
-    from dspark.llm import LLM
+def answer_params(temperature: float, max_tokens: int, seed: int):
+    """The sampling settings of one answer: greedy at temperature 0, else the paper's top-p / top-k."""
     from dspark.sampling import SamplingParams
 
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature == 0:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    return SamplingParams(temperature=temperature, top_p=0.8, top_k=20, max_tokens=max_tokens, seed=seed)
+
+
+def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train", per_domain: int = 2000,
+               max_tokens: int = 256, batch: int = 64, seed: int = 0, device: str = "cpu",
+               temperature: float = 0.7) -> int:
+    """Answer per_domain prompts of every domain into out_path (resuming where it stopped); the
+    number of prompts. temperature 0: greedy answers, else sampled with top-p 0.8, top-k 20."""
+    from dspark.config import EngineConfig
+    from dspark.llm import LLM
+
+    answer_params(temperature, max_tokens, seed)  # a bad temperature fails before the model loads
     llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
     prompts = chat_prompts(corpus_dir, split, per_domain, seed)
     limit = llm.engine.max_model_len - max_tokens
@@ -46,11 +63,10 @@ def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train",
         for start in range(done, len(prompts), batch):
             chunk = prompts[start : start + batch]
             ids = [llm.tokenizer.encode(text)[-limit:] for _, text in chunk]
-            params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_tokens=max_tokens, seed=seed + start + i)
-                      for i in range(len(chunk))]
+            params = [answer_params(temperature, max_tokens, seed + start + i) for i in range(len(chunk))]
             for (domain, _), p, o in zip(chunk, ids, llm.generate(ids, params), strict=True):
                 f.write(json.dumps({"domain": domain, "prompt_ids": p, "response_ids": o.token_ids,
-                                    "finish_reason": o.finish_reason}) + "\n")
+                                    "finish_reason": o.finish_reason, "temperature": temperature}) + "\n")
             f.flush()
             bar.update(len(chunk))
     return len(prompts)

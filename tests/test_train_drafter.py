@@ -122,3 +122,14 @@ def test_eval_drafter_measures_a_saved_drafter_as_training_does(qwen3_dir, saved
     assert evaluate_drafters(cfg, [str(saved / "start")], anchors=3)["settings"]["anchors_per_seq"] == 3
     with pytest.raises(ValueError, match="at least one drafter"):
         evaluate_drafters(cfg, [])
+
+
+def test_greedy_acceptance_counts_a_block_until_its_first_wrong_argmax():
+    from dspark.train.drafter import argmax_chain, expected_tau
+
+    t = torch.eye(4)[torch.tensor([[0, 1, 2], [0, 1, 2], [3, 3, 3]])]  # [3 blocks, 3 positions, vocab 4]: target argmaxes
+    d = torch.eye(4)[torch.tensor([[0, 1, 3], [0, 2, 2], [3, 3, 3]])]  # block 0 fails at 3, block 1 at 2 (then matches again)
+    valid = torch.tensor([[1.0, 1, 1], [1, 1, 1], [1, 1, 0]])  # block 2's last position is past the text
+    hits, tried = argmax_chain(d, t, valid)
+    assert hits.tolist() == [3, 2, 0] and tried.tolist() == [3, 3, 1]
+    assert expected_tau([1.0, 2 / 3, 0.0]) == pytest.approx(1 + 1 + 2 / 3, abs=1e-4)

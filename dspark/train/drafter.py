@@ -157,8 +157,14 @@ def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: s
 
 @torch.no_grad()
 def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: int) -> dict:
-    """Held-out per-position teacher-forced acceptance and confidence error."""
-    acc_sum, count, conf_err = torch.zeros(3, gamma, device=train_device(cfg))
+    """Held-out per-position teacher-forced acceptance and confidence error.
+
+    `acceptance` is the chance that speculative sampling at temperature 1 accepts position k;
+    `greedy_acceptance` the share of blocks whose draft argmax matches the target's argmax at
+    position k, among those matching at every earlier position (what greedy verification accepts;
+    exact on greedy answers, `dspark train regen --temperature 0`, where the text is the target's
+    argmax at every position)."""
+    acc_sum, count, conf_err, hits, tried = torch.zeros(5, gamma, device=train_device(cfg))
     drafter.eval()
     for i in range(cfg.eval_batches):
         batch = batch_at(rows, cfg, gamma, 10**9 + i, 0, pad)
@@ -167,14 +173,29 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
         v = batch.valid.float()
         acc_sum += (acc * v).sum((0, 1))
         count += v.sum((0, 1))
+        matched, reached = argmax_chain(logits, t_logits, v)
+        hits += matched
+        tried += reached
         if conf is not None:
             conf_err += ((torch.sigmoid(conf) - acc).abs() * v).sum((0, 1))
     drafter.train()
     per_pos = (acc_sum / count.clamp_min(1)).tolist()
-    out = {"acceptance": [round(x, 4) for x in per_pos], "expected_tau": expected_tau(per_pos)}
+    greedy = (hits / tried.clamp_min(1)).tolist()
+    out = {"acceptance": [round(x, 4) for x in per_pos], "expected_tau": expected_tau(per_pos),
+           "greedy_acceptance": [round(x, 4) for x in greedy], "greedy_tau": expected_tau(greedy)}
     if drafter.has_confidence:
         out["conf_mae"] = [round(x, 4) for x in (conf_err / count.clamp_min(1)).tolist()]
     return out
+
+
+def argmax_chain(d_logits: torch.Tensor, t_logits: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., g, V] draft and target logits, [..., g] valid -> per position [g]: the valid blocks whose
+    draft argmax equals the target's there and at every earlier position, and those matching at every
+    earlier one (what greedy verification accepts, and what it reaches)."""
+    survived = torch.cumprod((d_logits.argmax(-1) == t_logits.argmax(-1)).float(), -1)
+    reached = torch.cat([torch.ones_like(survived[..., :1]), survived[..., :-1]], -1)
+    dims = tuple(range(survived.dim() - 1))
+    return (survived * valid).sum(dims), (reached * valid).sum(dims)
 
 
 def expected_tau(conditional: list[float]) -> float:

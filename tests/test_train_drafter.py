@@ -133,3 +133,20 @@ def test_greedy_acceptance_counts_a_block_until_its_first_wrong_argmax():
     hits, tried = argmax_chain(d, t, valid)
     assert hits.tolist() == [3, 2, 0] and tried.tolist() == [3, 3, 1]
     assert expected_tau([1.0, 2 / 3, 0.0]) == pytest.approx(1 + 1 + 2 / 3, abs=1e-4)
+
+
+def test_eval_drafter_command_measures_on_other_heldout_answers(qwen3_dir, saved, capsys):
+    from dspark.cli import main
+
+    cfg = config(qwen3_dir, saved)
+    toml = saved / "eval.toml"
+    toml.write_text("".join(f"{k} = {json.dumps(getattr(cfg, k))}\n" for k in
+                            ("kind", "model", "data", "heldout", "seq_len", "batch_size", "anchors_per_seq", "eval_batches")))
+    write_rows(saved / "other.jsonl", 64, n=3)
+    out = saved / "eval.json"
+    assert main(["train", "eval-drafter", "--config", str(toml), "--drafter", str(saved / "start"),
+                 "--heldout", str(saved / "other.jsonl"), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["heldout"] == str(saved / "other.jsonl")
+    measured = result["drafters"][str(saved / "start")]
+    assert len(measured["greedy_acceptance"]) == 7 and measured["greedy_tau"] >= 1.0

@@ -7,6 +7,7 @@
     dspark train drafters --config A.toml --config B.toml   # several drafters, one target pass per batch
     dspark train eval-target --model ~/.cache/dspark/export/dspark-tiny-target --out eval.json
     dspark train eval-drafter --config A.toml --drafter DIR --drafter DIR2   # one set of held-out batches
+                                                     [--heldout greedy.jsonl]
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     v.add_argument("--config", required=True, help="a drafter training config: target, held-out data, batches")
     v.add_argument("--drafter", action="append", default=[], help="a drafter directory; repeat")
     v.add_argument("--anchors", type=int, default=0, help="anchors per held-out sequence (0: the config's)")
+    v.add_argument("--heldout", default=None, help="held-out answers to measure on instead of the config's "
+                   "(e.g. greedy ones, `regen --temperature 0`)")
     v.add_argument("--out", default=None, help="write the results as JSON here")
     v.set_defaults(func=run_eval_drafter)
 
@@ -156,7 +159,9 @@ def run_eval_drafter(args: argparse.Namespace) -> int:
     from dspark.train.drafter import DrafterTrainConfig
     from dspark.train.eval_drafter import evaluate_drafters
 
-    result = {**stamp(), **evaluate_drafters(DrafterTrainConfig.from_file(args.config), args.drafter, args.anchors)}
+    overrides = {"heldout": args.heldout} if args.heldout else {}
+    cfg = DrafterTrainConfig.from_file(args.config, **overrides)
+    result = {**stamp(), **evaluate_drafters(cfg, args.drafter, args.anchors)}
     if args.out:
         Path(args.out).expanduser().write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

@@ -135,7 +135,7 @@ def test_greedy_acceptance_counts_a_block_until_its_first_wrong_argmax():
     assert expected_tau([1.0, 2 / 3, 0.0]) == pytest.approx(1 + 1 + 2 / 3, abs=1e-4)
 
 
-def test_eval_drafter_command_measures_on_other_heldout_answers(qwen3_dir, saved, capsys):
+def test_eval_drafter_command_measures_on_other_heldout_answers(qwen3_dir, saved):
     from dspark.cli import main
 
     cfg = config(qwen3_dir, saved)

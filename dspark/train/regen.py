@@ -34,13 +34,10 @@ def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int 
 
 
 def answer_params(temperature: float, max_tokens: int, seed: int):
-    """The sampling settings of one answer: greedy at temperature 0, else the paper's top-p / top-k."""
+    """The sampling settings of one answer: greedy at temperature 0 (top-p / top-k and the seed then
+    change nothing), else sampled with the paper's top-p / top-k. SamplingParams checks the temperature."""
     from dspark.sampling import SamplingParams
 
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
-        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return SamplingParams(temperature=temperature, top_p=0.8, top_k=20, max_tokens=max_tokens, seed=seed)
 
 

@@ -244,3 +244,43 @@ def test_a_held_vocabulary_overrides_the_rows_choice(qwen3_dir):
     assert set(block.tokens.flatten().tolist()) <= set(subset) and float(block.probs[..., outside].abs().max()) == 0.0
     drafter.pool.free("r")
     assert drafter.held is None and float(propose(drafter, sampled).probs[..., outside].sum(-1).min()) > 0.0
+
+
+def test_the_greedy_walk_on_the_host_drafts_what_torch_operations_draft():
+    """The markov walk of a greedy block: NumPy on CPU, torch operations elsewhere; the same positions,
+    ties included (the first maximum), and each against the step-by-step definition."""
+    from dspark.drafters.heads import device_walk, host_walk
+
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 7, 50, generator=gen).round()  # rounded: ties between positions are common
+    table = torch.randn(50, 50, generator=gen).round()
+    first = torch.tensor([0, 17, 49])
+    expected, index = [], first
+    for k in range(7):
+        index = torch.stack([(base[r, k] + table[index[r]]).argmax() for r in range(3)])
+        expected.append(index)
+    assert torch.equal(host_walk(base, table, first), torch.stack(expected, 1))
+    assert torch.equal(device_walk(base, table, first), torch.stack(expected, 1))
+    assert host_walk(base[:, :0], table, first).shape == device_walk(base[:, :0], table, first).shape == (3, 0)
+
+
+def test_a_block_after_an_anchor_outside_the_draft_vocabulary_drafts_as_the_head_product_does(qwen3_dir):
+    """The first bias is read from the table only when it holds the anchor; else the head's product."""
+    engine = engine_for(qwen3_dir, "dspark", "static:7", None)
+    drafter = engine.drafter
+    with torch.no_grad():
+        drafter.head.w2.weight.normal_(std=2.0, generator=torch.Generator().manual_seed(0))
+    drafter.restrict_vocab(list(range(1, drafter.config.vocab_size, 2)))  # anchor 5 in it, 4 not
+    rows = SamplingRows.same(1, SamplingParams(temperature=0.0))
+    blocks = {}
+    for use_table in (True, False):
+        if not use_table:
+            drafter.head.table = None
+        for anchor in (4, 5):
+            inputs = [ProposeInput("r", anchor=anchor, context_len=0, tokens=[anchor])]
+            drafter.pool.append("r", 0)
+            blocks[use_table, anchor] = drafter.propose(inputs, rows)
+            drafter.pool.free("r")
+    for anchor in (4, 5):
+        assert torch.equal(blocks[True, anchor].tokens, blocks[False, anchor].tokens)
+    assert not torch.equal(blocks[True, 4].tokens, blocks[True, 5].tokens)  # the anchor's bias moved the draft

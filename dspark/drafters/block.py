@@ -16,7 +16,7 @@ import torch
 from dspark.device import upload
 from dspark.drafters.backbone import Backbone
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
-from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated
+from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated, greedy_walk
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
 from dspark.models.layers import SwiGLU
@@ -105,7 +105,8 @@ class BlockDrafter(NeuralDrafter):
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
-        block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs])
+        block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs],
+                                  [i.anchor for i in inputs])
         return widened(block, self.gamma)
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
@@ -116,25 +117,19 @@ class BlockDrafter(NeuralDrafter):
         if self.head is not None:
             self.head.narrow = narrow
 
-    def sample_block(self, hidden, anchors, rows: SamplingRows, generators) -> DraftBlock:
-        """Left-to-right sampling of the block's positions from hidden [R, depth, d]."""
+    def sample_block(self, hidden, anchors, rows: SamplingRows, generators,
+                     anchor_ids: Sequence[int] = ()) -> DraftBlock:
+        """Left-to-right sampling of the block's positions from hidden [R, depth, d]; anchor_ids: the
+        anchors on the host, to read the first bias from the markov table where it holds them."""
         base = self.lm_head(hidden)  # [R, depth, V] float32 (or [R, depth, N] over a draft vocabulary)
         table = None if self.head is None else self.head.active_table
-        prev, index, state = anchors, None, None
-        picks, probs = [], []
-        for k in range(hidden.shape[1]):
-            logits = base[:, k]
-            if table is not None and index is not None:  # x_{k-1} is a draft token: its row of the table
-                logits = logits + table.index_select(0, index)
-            elif self.head is not None:
-                bias, _, state = self.head.step(hidden[:, k], prev, state)
-                logits = logits + bias.float()
-            index, p = self.pick(logits, rows, generators)
-            if self.head is not None and table is None:  # the head's next step reads x_{k-1} as a token id
-                prev = self.token_ids(index)
-            picks.append(index)
-            probs.append(p)
-        block = self.token_ids(torch.stack(picks, 1))
+        # the table row of each anchor, when the table holds every one: the first bias is then a row too
+        first = self.head.table_rows(anchor_ids) if table is not None and anchor_ids else None
+        if first is not None and rows.all_greedy:
+            picks, probs = greedy_walk(base, table, first), [None]
+        else:
+            picks, probs = self.walk(base, hidden, anchors, table, first, rows, generators)
+        block = self.token_ids(picks)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
         raw = None
         if self.conf is not None:
@@ -144,6 +139,25 @@ class BlockDrafter(NeuralDrafter):
         cfg = self.config
         confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
         return DraftBlock(block, self.block_probs(probs), confidence, confidence_logits=raw)
+
+    def walk(self, base, hidden, anchors, table, index, rows: SamplingRows, generators):
+        """Draw the block left to right -> (positions [R, depth], each position's distribution or None).
+        index: each anchor's table row (None: the head's product gives the first bias)."""
+        prev, state = anchors, None
+        picks, probs = [], []
+        for k in range(hidden.shape[1]):
+            logits = base[:, k]
+            if table is not None and index is not None:  # x_{k-1} is in the draft vocabulary: its row of the table
+                logits = logits + table.index_select(0, index)
+            elif self.head is not None:
+                bias, _, state = self.head.step(hidden[:, k], prev, state)
+                logits = logits + bias.float()
+            index, p = self.pick(logits, rows, generators)
+            if self.head is not None and table is None:  # the head's next step reads x_{k-1} as a token id
+                prev = self.token_ids(index)
+            picks.append(index)
+            probs.append(p)
+        return torch.stack(picks, 1), probs
 
     # ---- training -----------------------------------------------------------------------
     def forward(self, *args, **kwargs):

@@ -126,20 +126,15 @@ def shared(generators: Sequence[torch.Generator | None]) -> bool:
 
 def sample(probs: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """One token per row of probs [M, V]; row i draws from generators[i] (a per-request seed,
-    the engine's generator, or with None the global RNG). The exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is token i
-    with probability p_i; unlike `torch.multinomial` it never reads the device (on the CPU,
-    multinomial checks its input with single-value reads). E = -log U for U uniform, which on the
-    CPU costs less than `exponential_`. Greedy rows are one-hot: their argmax."""
+    the engine's generator, or with None the global RNG). Inverse transform: one uniform per row
+    against the running sum of its probabilities (`inverse_cdf`), as verification draws its
+    recovered and bonus tokens; unlike `torch.multinomial` it never reads the device (on the CPU,
+    multinomial checks its input with single-value reads), and unlike a race over V exponentials
+    it draws one number per row, not V (a sampled DSpark block draws seven times over every token).
+    Greedy rows are one-hot: their argmax."""
     if rows.all_greedy:
         return probs.argmax(-1)
-    noise = torch.empty_like(probs)
-    if shared(generators):
-        noise.uniform_(generator=generators[0] if generators else None)
-    else:
-        for i, gen in enumerate(generators):
-            noise[i].uniform_(generator=gen)
-    noise = noise.log_().neg_()  # U in [0, 1): E in (0, inf], inf losing every race it is in
-    return (probs / noise.clamp_min_(1e-30)).argmax(-1)
+    return inverse_cdf(probs, uniforms(probs.shape[0], 1, generators, probs.device)[:, 0])
 
 
 def draw(logits: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -148,3 +143,22 @@ def draw(logits: torch.Tensor, rows: SamplingRows, generators: Sequence[torch.Ge
     if rows.all_greedy:
         return logits.argmax(-1)
     return sample(probabilities(logits, rows), rows, generators)
+
+
+def uniforms(rows: int, width: int, generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
+    """[rows, width] uniforms in [0, 1), row i from generators[i] (or the global RNG)."""
+    if shared(generators):
+        return torch.rand(rows, width, generator=generators[0] if generators else None, device=device)
+    return torch.stack([torch.rand(width, generator=g, device=device) for g in generators])
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One sample per row of probs [R, V] (any non-negative weights) from uniforms u [R] in [0, 1),
+    deterministic given u: the first token whose running sum exceeds u times the row's total. A token of
+    probability zero spans an empty interval; u < 1 keeps the point below the total, and where rounding
+    in a parallel sum (a GPU's scan) still lands on one, the row's argmax is taken instead."""
+    cdf = probs.cumsum(-1)
+    point = u[:, None].to(cdf.dtype) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, point.contiguous(), right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+    bad = probs.gather(-1, idx[:, None])[:, 0] <= 0
+    return torch.where(bad, probs.argmax(-1), idx)

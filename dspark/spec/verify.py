@@ -17,20 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.sampling import shared
+from dspark.sampling import inverse_cdf, uniforms
 
 
 @dataclass
 class Verdict:
     num_accepted: list[int]  # accepted draft tokens per request
     tokens: list[list[int]]  # emitted per request: accepted drafts + the recovered/bonus token
-
-
-def uniforms(rows: int, width: int, generators: Sequence[torch.Generator | None], device) -> torch.Tensor:
-    """[rows, width] uniforms in [0, 1), row i from generators[i] (or the global RNG)."""
-    if shared(generators):
-        return torch.rand(rows, width, generator=generators[0] if generators else None, device=device)
-    return torch.stack([torch.rand(width, generator=g, device=device) for g in generators])
 
 
 def verify(
@@ -83,14 +76,3 @@ def _verdict(accepted: torch.Tensor, draft_tokens: torch.Tensor, last: torch.Ten
     # one host copy for the whole batch: every read waits for the device
     host = torch.cat([accepted[:, None], last[:, None], draft_tokens], 1).tolist()
     return Verdict([row[0] for row in host], [row[2 : 2 + row[0]] + [row[1]] for row in host])
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One sample per row of probs [R, V] from uniforms u [R] (deterministic given u)."""
-    cdf = probs.cumsum(-1)
-    cdf = cdf / cdf[:, -1:].clamp_min(1e-30)
-    idx = torch.searchsorted(cdf, u[:, None].to(cdf.dtype).contiguous(), right=True)[:, 0]
-    idx = idx.clamp(max=probs.shape[-1] - 1)
-    # never land on a zero-probability token through rounding at the top of the cdf
-    bad = probs.gather(-1, idx[:, None])[:, 0] <= 0
-    return torch.where(bad, probs.argmax(-1), idx)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dspark.device import upload
-from dspark.models.fused import Product
+from dspark.models.fused import Fused, Product, refresh
 
 TABLE_BYTES = 64 << 20  # the largest transition table a markov head keeps (N x N float32)
 
@@ -42,7 +42,7 @@ class SequentialHead(nn.Module):
             self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
         self.rank = rank
         self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
-        self.full: Product | None = None  # the product with all of W2 when serving (`served`)
+        self.fused: Fused | None = None  # W2's product over every token, serving (`out`)
         self.table: torch.Tensor | None = None  # markov over a draft vocabulary: [N, N] bias after each draft token
         self.row_of: dict[int, int] = {}  # token id -> its row of the table (the draft vocabulary's tokens)
         self.narrow = True  # whether this proposal biases the draft vocabulary alone (`NeuralDrafter.select_vocab`)
@@ -74,16 +74,13 @@ class SequentialHead(nn.Module):
         """[..., r] -> vocabulary bias [..., V] (or [..., N] over the draft vocabulary)."""
         if self.rows is not None and self.narrow:
             return self.rows(x)
-        return self.w2(x) if torch.is_grad_enabled() else self.served()(x)
-
-    def served(self) -> Product:
-        """W2 as a product that keeps oneDNN's blocked copy on CPU: a sampled block draws every position
-        over all V tokens, and the plain product re-blocked the weight in each (67 µs -> about 30 at
-        dspark-small's 8192 x 64). Made anew when W2 moved (`.to()`); an in-place update re-blocks it."""
-        w = self.w2.weight
-        if self.full is None or self.full.weight.data_ptr() != w.data_ptr() or self.full.weight.dtype != w.dtype:
-            self.full = Product(w.detach(), None, [w])
-        return self.full
+        if torch.is_grad_enabled():
+            return self.w2(x)
+        # W2 as a product that keeps oneDNN's blocked copy on CPU (`models/fused.py`), made on first use and
+        # anew after a `.to()`, in every drafter alike: a sampled block draws every position over all V
+        # tokens, and the plain product re-blocked the weight in each
+        self.fused = refresh(self.fused, self.w2)
+        return self.fused(x)[0]
 
     def step(self, h: torch.Tensor, prev: torch.Tensor, state: torch.Tensor | None):
         """h [..., d], prev [...] long -> (bias [..., V], W1[prev] [..., r], new state)."""

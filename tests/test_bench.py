@@ -122,6 +122,12 @@ def test_configs_and_workloads(qwen3_dir):
     assert [sp.label for sp in again] == ["none", "dspark:dspark", "none#2", "dspark:dspark#2", "none#3"]
     with pytest.raises(ValueError):
         parse_configs("dspark")
+    gates = parse_configs("dspark:dspark;dspark:dspark?select=0;dspark:dspark?select=0")  # gate settings side by side
+    assert [sp.label for sp in gates] == ["dspark:dspark", "dspark:dspark?select=0", "dspark:dspark?select=0#2"]
+    assert gates[1].policy == "dspark" and gates[1].gate == "select=0"
+    for bad in ("dspark:dspark?selekt=0", "dspark:dspark?select=2", "dspark:dspark?probe_every=x"):
+        with pytest.raises(ValueError, match="gate option"):
+            parse_configs(bad)
     vocab = parse_configs("dspark@2048:dspark")[0]  # a draft vocabulary of the 2,048 most frequent tokens
     assert vocab.label == "dspark@2048:dspark" and split_drafter(vocab.drafter) == ("dspark", 2048)
     assert split_drafter("/runs/a@b") == ("/runs/a@b", None) and split_drafter("eagle3") == ("eagle3", None)

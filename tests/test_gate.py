@@ -481,3 +481,48 @@ def test_a_batch_that_samples_is_priced_with_its_wider_proposal():
     assert gate.should_draft(1, [GAMMA])
     assert not gate.should_draft(1, [GAMMA], sampled=True)  # judged afresh, not the greedy verdict remembered
     assert gate.should_draft(1, [GAMMA])
+
+
+def test_ladder_prices_every_small_size_then_about_one_and_a_half_apart():
+    from dspark.engine.gate import ladder
+
+    assert ladder(1) == [1] and ladder(5) == [1, 2, 3, 4, 5] and ladder(0) == []
+    assert ladder(64) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 18, 27, 41, 62, 64]
+
+
+def test_the_gate_drafts_only_for_the_requests_whose_records_pay():
+    """16 requests, a proposal that costs in proportion to the requests drafted for, verification that is
+    free: drafting for all 16 loses (12 of them never see a draft accepted), drafting for the four whose
+    drafts are accepted pays."""
+    prof = StepProfile("test", tokens=[1, 16, 128], verify_s=[0.01] * 3, requests=[1, 16], draft_s=[0.001, 0.016])
+    good, bad = stats(accept=True), stats(accept=False)
+    everyone = AcceptanceStats(GAMMA)
+    for _ in range(50):
+        everyone.update([GAMMA] * 4, [GAMMA, 0, 0, 0])
+    own = [good if i % 4 == 1 else bad for i in range(16)]
+    verdict = Gate(GateConfig(), everyone, prof).decide(16, [GAMMA] * 16, own)
+    assert verdict.depth == GAMMA and verdict.rows == (1, 5, 9, 13)
+    assert Gate(GateConfig(select=False), everyone, prof).decide(16, [GAMMA] * 16, own).depth == 0
+    gate = Gate(GateConfig(), everyone, prof)
+    assert gate.should_draft(16, [GAMMA] * 16, own) and not gate.probing
+    assert gate.chosen(list("abcdefghijklmnop")) == ["b", "f", "j", "n"]
+
+
+def test_undrafted_requests_in_the_forward_make_algorithm1_admit_less():
+    """Each decoding request emits a token whatever is drafted; counting the ones not drafted for makes a
+    verified draft token worth less of the step, so fewer are admitted."""
+    cost = lambda r, b: 1.0 + 0.1 * b  # noqa: E731
+    cands = candidates(torch.tensor([[0.3] * GAMMA]), [GAMMA])
+    assert algorithm1(cands, 1, 0, cost) >= 1
+    assert algorithm1(cands, 1, 0, cost, plain_rows=15) == 0
+
+
+def test_gate_options_parse_into_a_config_and_bad_ones_are_named():
+    assert GateConfig.parse("") == GateConfig()
+    assert GateConfig.parse("select=0, probe_every=4,optimism=0.5") == replace(
+        GateConfig(), select=False, probe_every=4, optimism=0.5)
+    assert GateConfig.parse("cut=true").cut
+    for bad, said in (("selekt=0", "KEY one of"), ("select=2", "not a bool"), ("probe_every=x", "not an int"),
+                      ("select", "KEY=VALUE")):
+        with pytest.raises(ValueError, match=said):
+            GateConfig.parse(bad)

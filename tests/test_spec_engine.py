@@ -143,6 +143,27 @@ def test_a_closed_gate_probes_a_few_requests_and_stays_exact(qwen3_dir, referenc
     assert 0 in slots  # a closed gate withholds the draft slots between its probes
 
 
+def test_an_open_gate_drafts_for_the_requests_it_picked_and_stays_exact(qwen3_dir, reference):
+    """A proposal for one request is almost free, one for two costs seconds: the open gate drafts for one
+    request per step, the rest decode plainly in the same forward; the output is plain greedy decoding."""
+    from dspark.engine.gate import GateConfig
+    from dspark.spec.profile import StepProfile
+
+    net, tok = load_model(qwen3_dir)
+    drafter = new_drafter(new_config("ngram", net.config, tok.token_id("<|mask|>") or 0))
+    cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
+    engine = assemble(net, tok, cfg, drafter=drafter, policy="dspark", gate=GateConfig(probe_requests=1))
+    engine.runner.set_profile(StepProfile("one", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 2],
+                                          draft_s=[1e-6, 10.0]))
+    drafted = []
+    propose = engine.runner._propose
+    engine.runner._propose = lambda decode, depth: (drafted.append((len(decode), engine.runner.gate.probing)),
+                                                    propose(decode, depth))[1]
+    outs = run(engine)
+    assert [o.token_ids for o in outs] == reference
+    assert max(n for n, _ in drafted) == 1 and any(not probing for _, probing in drafted)
+
+
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_shifted_drafters_keep_one_feature_per_request_and_count_it(qwen3_dir, reference, kind):
     """EAGLE-3/MTP read only the last committed token's fused feature: what they keep beside

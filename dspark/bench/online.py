@@ -207,6 +207,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
     """Every configuration at every concurrency; `on_level(rows, skipped)` after each level (the
     rows so far), so a run cut short still leaves the levels it finished."""
     from dspark.engine.factory import build_engine
+    from dspark.engine.gate import GateConfig
     from dspark.models.loader import load_model
     from dspark.sampling import SamplingParams
 
@@ -231,7 +232,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
         drafter, vocab = split_drafter(sp.drafter) if sp.drafter else (None, 0)
         engine = build_engine(path, drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded,
-                              draft_vocab=vocab)
+                              draft_vocab=vocab, gate=GateConfig.parse(sp.gate) if sp.gate else None)
         warm_up(engine, warm, s, params)
         engines[sp.label] = (sp, engine)
     rows = []

@@ -89,15 +89,18 @@ def hostile(tokenizer, n: int, length: int, seed: int = 0) -> list[Job]:
 
 @dataclass(frozen=True)
 class Spec:
-    """A served configuration: `none`, or a drafter (name or directory) with a policy."""
+    """A served configuration: `none`, or a drafter (name or directory) with a policy and, optionally,
+    gate options (`GateConfig.parse`: 'select=0,cut=1')."""
 
     drafter: str | None
     policy: str
     copy: int = 1  # the n-th time the configuration is listed: an identical engine, a noise yardstick
+    gate: str = ""
 
     @property
     def label(self) -> str:
         base = "none" if self.drafter is None else f"{drafter_label(self.drafter)}:{self.policy}"
+        base = f"{base}?{self.gate}" if self.gate else base
         return base if self.copy == 1 else f"{base}#{self.copy}"
 
 
@@ -118,7 +121,10 @@ def drafter_label(name: str) -> str:
 def parse_configs(text: str) -> list[Spec]:
     """'none;mtp:static:1;dspark:dspark' -> Specs (the drafter is everything before the first ':').
     A configuration listed again ('none;none;...') is a second, identical engine labelled
-    'none#2': its ratio to the first is the run's own noise (an A/A comparison)."""
+    'none#2': its ratio to the first is the run's own noise (an A/A comparison). A policy may end in
+    '?' and gate options ('dspark:dspark?select=0'), to compare gate settings side by side."""
+    from dspark.engine.gate import GateConfig
+
     out: list[Spec] = []
     for item in (s.strip() for s in text.split(";")):
         if not item:
@@ -129,8 +135,10 @@ def parse_configs(text: str) -> list[Spec]:
             drafter, sep, policy = item.partition(":")
             if not sep or not policy:
                 raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
-        copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy) == (drafter, policy))
-        out.append(Spec(drafter, policy, copy))
+        policy, _, gate = policy.partition("?")
+        GateConfig.parse(gate)  # a bad option fails here, before any engine is built
+        copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy, sp.gate) == (drafter, policy, gate))
+        out.append(Spec(drafter, policy, copy, gate))
     return out
 
 

@@ -9,14 +9,32 @@ never sees a draft token, so it cannot change what is emitted (losslessness hold
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 
 import torch
 
-from dspark.spec.policies import algorithm1, candidates
+from dspark.spec.policies import Candidate, algorithm1, candidates
 from dspark.spec.profile import StepProfile
 from dspark.spec.stats import AcceptanceStats, blend
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the gate decided for a step: the depth to draft at (0: drafting does not pay) and which of the
+    judged requests to draft for (None: all of them; else their indices, ascending)."""
+
+    depth: int
+    rows: tuple[int, ...] | None = None
+
+
+def ladder(n: int) -> list[int]:
+    """The subset sizes the gate prices: every size up to 8, then about 1.5x apart, and n."""
+    sizes, m = [], 1
+    while m < n:
+        sizes.append(m)
+        m = m + 1 if m < 8 else math.ceil(m * 1.5)
+    return [*sizes, n] if n > 0 else []
 
 
 @dataclass(frozen=True)
@@ -48,6 +66,9 @@ class GateConfig:
     # it opened the gate at one or two positions where the full block kept it closed, and lost to plain decoding at
     # 16 requests (mixed 0.954x, hostile 0.906x; docs/results/online/gate-depth/): the gate's step model, decoding
     # requests alone, misses what the engine really pays around a drafted step under load
+    select: bool = True  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
+    # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
+    # one verdict for every decoding request, all drafted or none
     depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
@@ -55,6 +76,30 @@ class GateConfig:
     # rejected first positions, where the drafter's first position is accepted about half the
     # time, and never reopened
 
+
+    @classmethod
+    def parse(cls, text: str) -> GateConfig:
+        """'select=0,cut=1' -> the defaults with those fields replaced (booleans as 0/1, true/false)."""
+        kinds, values = {f.name: f.type for f in fields(cls)}, {}
+        for item in filter(None, (t.strip() for t in text.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key not in kinds:
+                raise ValueError(f"gate option {item!r}: expected KEY=VALUE with KEY one of {', '.join(kinds)}")
+            try:
+                values[key] = parse_value(kinds[key], raw)
+            except ValueError:
+                raise ValueError(f"gate option {item!r}: {raw!r} is not {'an' if kinds[key] == 'int' else 'a'} "
+                                 f"{kinds[key]}") from None
+        return cls(**values)
+
+
+def parse_value(kind: str, raw: str) -> bool | int | float:
+    """A gate option's value by its field's type name ('bool', 'int', 'float')."""
+    if kind == "bool":
+        if raw.lower() not in ("0", "1", "true", "false"):
+            raise ValueError(raw)
+        return raw.lower() in ("1", "true")
+    return int(raw) if kind == "int" else float(raw)
 
 class Gate:
     """Predicts whether drafting pays, from history only (lossless).
@@ -77,10 +122,12 @@ class Gate:
         self.probing = False
         self.open = True  # the last verdict (slots are reserved for the first step)
         self.depth: int | None = None  # positions to draft while open (None: the drafter's gamma)
-        self.memo: tuple[tuple, int, int] | None = None  # (key, age in steps, verdict: the depth)
+        self.rows: tuple[int, ...] | None = None  # which judged requests to draft for while open (None: all)
+        self.memo: tuple[tuple, int, Verdict] | None = None  # (key, age in steps, verdict)
         self.draft_share = 1.0  # smoothed fraction of drafted requests a router gives its costly drafter
         self.probe_extra: float | None = None  # what probes measured to cost beyond a plain step, in plain steps
         self.sampled = False  # whether the batch judged samples (its proposal may draft over more tokens)
+        self.blended: dict[int, tuple[tuple, list[float]]] = {}  # id(own record) -> (versions, z; its estimates)
 
     def cost(self, r: float, b: int, depth: int | None = None) -> float:
         """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
@@ -162,8 +209,8 @@ class Gate:
     def judge(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> bool:
         """The verdict for decoding these requests alone, remembered as `open`. When it pays, the
         probe backoff restarts, so that after the next close the gate probes soon again."""
-        depth = self.pays(num_requests, caps, own)
-        self.open, self.depth = depth > 0, depth or None
+        verdict = self.pays(num_requests, caps, own)
+        self.open, self.depth, self.rows = verdict.depth > 0, verdict.depth or None, verdict.rows
         if self.open:
             self.interval = self.cfg.probe_every
         return self.open
@@ -182,13 +229,17 @@ class Gate:
             return list(decode)
         return [decode[(step + i) % len(decode)] for i in range(k)]
 
-    def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
-        """The depth to draft at (`predict`), remembered for a few steps; 0: drafting does not pay."""
+    def chosen(self, decode: Sequence) -> list:
+        """The requests an open gate drafts for: those its verdict picked (all where it picked none)."""
+        return list(decode) if self.rows is None else [decode[i] for i in self.rows if i < len(decode)]
+
+    def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> Verdict:
+        """The verdict (`decide`), remembered for a few steps."""
         key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)), self.sampled)  # records change with version
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
             return self.memo[2]
-        verdict = self.predict(num_requests, caps, own)
+        verdict = self.decide(num_requests, caps, own)
         self.memo = (key, 1, verdict)
         return verdict
 
@@ -201,13 +252,29 @@ class Gate:
         judging = self.stats.total_tried[0] >= self.cfg.judge_after
         z = (self.cfg.caution if judging else 0.0) - self.cfg.optimism / max(1, num_requests)
         shared = self.stats.lower(z)
-        rows = [blend(o, self.stats, self.cfg.own_weight).lower(z) if o is not None else shared
-                for o in own] if own else [shared] * num_requests
+        if not own:
+            return torch.tensor([shared] * num_requests, dtype=torch.float64)
+        seen, self.blended = self.blended, {}
+        rows = []
+        for o in own:
+            if o is None:
+                rows.append(shared)
+                continue
+            key = (o.version, self.stats.version, z)  # a row is recomputed only when a record it reads changed
+            hit = seen.get(id(o))
+            row = hit[1] if hit is not None and hit[0] == key else blend(o, self.stats, self.cfg.own_weight).lower(z)
+            self.blended[id(o)] = (key, row)
+            rows.append(row)
         return torch.tensor(rows, dtype=torch.float64)
 
     def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
-        """Algorithm 1 on the cautious acceptance estimates at each depth the profile can price (with `cut`): the
-        depth whose best budget beats plain decoding by the most (0: none beats it). Until `judge_after`
+        """The depth `decide` drafts at (0: drafting does not pay)."""
+        return self.decide(num_requests, caps, own).depth
+
+    def decide(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> Verdict:
+        """Algorithm 1 on the cautious acceptance estimates at each depth the profile can price (with `cut`) and,
+        with `select`, for the best m requests at each size of a `ladder`: the depth and requests whose best
+        budget beats plain decoding by the most (depth 0: none beats it). Until `judge_after`
         first draft positions were verified there is too little to be cautious about: the estimates are
         taken at face value (the prior, 0.5 per position, at first), so a drafter that could pay is tried
         and one that could not even then is not. A shallower block must win by `depth_margin`: the
@@ -215,16 +282,47 @@ class Gate:
         request's deep positions that the mean undervalues."""
         assert self.profile is not None
         deepest = max(caps, default=0)
-        cands = candidates(self.estimates(num_requests, own), caps)
+        est = self.estimates(num_requests, own)
+        cands = candidates(est, caps)
+        rank = self.ranks(est, caps)
+        sizes = ladder(num_requests) if self.cfg.select else [num_requests]
         plain = num_requests / self.profile.verify(num_requests)
-        rates = {d: self.rate(num_requests, [c for c in cands if c.position <= d], d)
-                 for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest])}
-        best = max(rates.values(), default=0.0)
-        return max((d for d, v in rates.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)), default=0)
+        verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
+        best_at: dict[int, tuple[float, int]] = {}  # depth -> (rate, m) of its best subset size
+        for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest]):
+            for m in sizes:
+                v = self.rate(num_requests, m, (c for c in cands if c.position <= d and rank[c.request] < m), d,
+                              verified)
+                if d not in best_at or v > best_at[d][0]:
+                    best_at[d] = (v, m)
+        best = max((v for v, _ in best_at.values()), default=0.0)
+        depth = max((d for d, (v, _) in best_at.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)),
+                    default=0)
+        if depth == 0 or best_at[depth][1] == num_requests:
+            return Verdict(depth)
+        m = best_at[depth][1]
+        return Verdict(depth, tuple(sorted(r for r in range(num_requests) if rank[r] < m)))
 
-    def rate(self, num_requests: int, cands: Sequence, depth: int) -> float:
-        """Expected tokens per second of a step drafting depth positions, the budget chosen by Algorithm 1."""
-        cost = lambda r, b: self.cost(r, b, depth)  # noqa: E731
-        admitted = algorithm1(cands, num_requests, 0, cost)
-        gain = sum(c.survival for c in cands[:admitted])
-        return (num_requests + gain) / cost(num_requests, num_requests + admitted)
+    @staticmethod
+    def ranks(est: torch.Tensor, caps: Sequence[int]) -> list[int]:
+        """Each request's rank by its expected accepted tokens from a full draft (0: the best; ties by index)."""
+        surv = torch.cumprod(est, dim=1)
+        mask = torch.arange(est.shape[1])[None, :] < torch.tensor(list(caps))[:, None]
+        expected = (surv * mask).sum(1).tolist()
+        order = sorted(range(len(expected)), key=lambda r: (-expected[r], r))
+        rank = [0] * len(order)
+        for i, r in enumerate(order):
+            rank[r] = i
+        return rank
+
+    def rate(self, num_requests: int, drafted: int, cands: Iterable[Candidate], depth: int,
+             verified: dict[int, float] | None = None) -> float:
+        """Expected tokens per second of a step drafting depth positions for `drafted` of the requests (their
+        candidates `cands`), the budget chosen by Algorithm 1; the rest decode plainly in the same forward.
+        The costs are `cost`'s (the router's share included), verify(b) memoised in `verified`."""
+        assert self.profile is not None
+        cost = self.profile.pricer(drafted * self.draft_share, depth, self.sampled, verified)
+        walked: list[Candidate] = []  # read lazily: the walk stops at its first loss, long before the end
+        admitted = algorithm1((walked.append(c) or c for c in cands), drafted, 0, cost, num_requests - drafted)
+        gain = sum(c.survival for c in walked[:admitted])
+        return (num_requests + gain) / cost(drafted, num_requests + admitted)

@@ -86,10 +86,9 @@ class SpeculativeRunner:
         decoding = len(decode)
         if drafting and self.gate is not None:
             drafting = self.gate.should_draft(decoding, caps, own, sampled)
-            if drafting and self.gate.probing:
-                decode = self.gate.probe_subset(decode, self.steps)
-                caps = [s.num_lookahead for s in decode]
-                sampled = self._samples(decode)
+            if drafting:  # a probe, or an open verdict, may draft for some; the rest decode plainly alongside
+                decode = self.gate.probe_subset(decode, self.steps) if self.gate.probing else self.gate.chosen(decode)
+                caps, sampled = [s.num_lookahead for s in decode], self._samples(decode)
         if not drafting:
             decode = []  # every request takes the plain path; the drafter is not called
         drafted_ids = {id(s) for s in decode}
@@ -104,7 +103,7 @@ class SpeculativeRunner:
             proposed = time.perf_counter()
             # catch_up: the context committed since the drafter last drafted for these requests
             result.times["catch_up"], result.times["draft"] = caught_up - t0, proposed - caught_up
-            lengths = self._choose(block, caps, other_tokens, depth, sampled)
+            lengths = self._choose(block, caps, other_tokens, depth, sampled, decoding - len(decode))
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - sum(result.times.values())
         drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
@@ -145,7 +144,7 @@ class SpeculativeRunner:
         return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device), depth)
 
     def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int, depth: int | None,
-                sampled: bool = False) -> list[int]:
+                sampled: bool = False, plain_rows: int = 0) -> list[int]:
         if block.num_valid is not None:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
@@ -155,7 +154,7 @@ class SpeculativeRunner:
         cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, sampled)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
             cost = lambda r, b: profile.cost(drafted, b, depth, sampled)  # noqa: E731
-        lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost)
+        lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost, plain_rows)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
         return [min(ell, c) for ell, c in zip(lengths, caps, strict=True)]

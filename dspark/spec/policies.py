@@ -12,7 +12,7 @@ throughput being maximised is expected emitted tokens per second of the *whole* 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +43,11 @@ def lengths_from(chosen: Sequence[Candidate], num_requests: int) -> list[int]:
     return ell
 
 
-def algorithm1(cands: Sequence[Candidate], num_requests: int, other_tokens: int, cost: CostFn) -> int:
-    """Number of leading candidates Algorithm 1 admits (greedy walk, early stop)."""
-    tau, batch = float(num_requests), num_requests + other_tokens
+def algorithm1(cands: Iterable[Candidate], num_requests: int, other_tokens: int, cost: CostFn,
+               plain_rows: int = 0) -> int:
+    """Number of leading candidates Algorithm 1 admits (greedy walk, early stop). plain_rows: decoding
+    requests in the same forward that were not drafted for; each emits one token, as a drafted one does."""
+    tau, batch = float(num_requests + plain_rows), num_requests + plain_rows + other_tokens
     best = tau / cost(num_requests, batch)
     admitted = 0
     for i, c in enumerate(cands):
@@ -58,9 +60,10 @@ def algorithm1(cands: Sequence[Candidate], num_requests: int, other_tokens: int,
     return admitted
 
 
-def global_best(survivals: Sequence[float], num_requests: int, other_tokens: int, cost: CostFn) -> int:
+def global_best(survivals: Sequence[float], num_requests: int, other_tokens: int, cost: CostFn,
+                plain_rows: int = 0) -> int:
     """Unconstrained search over sorted survivals (only safe on stale confidences)."""
-    tau, batch = float(num_requests), num_requests + other_tokens
+    tau, batch = float(num_requests + plain_rows), num_requests + plain_rows + other_tokens
     best, best_k = tau / cost(num_requests, batch), 0
     for i, s in enumerate(sorted(survivals, reverse=True)):
         tau += s
@@ -75,14 +78,17 @@ class Policy:
     needs_cost = False
     deepest: int | None = None  # the most positions it ever verifies (None: any), so no deeper draft is needed
 
-    def choose(self, conf: torch.Tensor, caps: Sequence[int], other_tokens: int, cost: CostFn) -> list[int]:
+    def choose(self, conf: torch.Tensor, caps: Sequence[int], other_tokens: int, cost: CostFn,
+               plain_rows: int = 0) -> list[int]:
+        """l_r per drafted request. other_tokens: prefill tokens in the same forward; plain_rows: decoding
+        requests in it that were not drafted for (the gate's choice); cost(R drafted, B tokens) seconds."""
         raise NotImplementedError
 
 
 class NoSpeculation(Policy):
     name = "none"
 
-    def choose(self, conf, caps, other_tokens, cost):
+    def choose(self, conf, caps, other_tokens, cost, plain_rows=0):
         return [0] * len(caps)
 
 
@@ -90,7 +96,7 @@ class Static(Policy):
     def __init__(self, k: int) -> None:
         self.k, self.name, self.deepest = k, f"static:{k}", k
 
-    def choose(self, conf, caps, other_tokens, cost):
+    def choose(self, conf, caps, other_tokens, cost, plain_rows=0):
         return [min(self.k, c) for c in caps]
 
 
@@ -98,7 +104,7 @@ class Threshold(Policy):
     def __init__(self, t: float) -> None:
         self.t, self.name = t, f"threshold:{t}"
 
-    def choose(self, conf, caps, other_tokens, cost):
+    def choose(self, conf, caps, other_tokens, cost, plain_rows=0):
         surv = torch.cumprod(conf.double(), dim=1)
         keep = (surv >= self.t).long().cumprod(1).sum(1).tolist()
         return [min(k, c) for k, c in zip(keep, caps, strict=True)]
@@ -109,9 +115,9 @@ class DSpark(Policy):
 
     name, needs_cost = "dspark", True
 
-    def choose(self, conf, caps, other_tokens, cost):
+    def choose(self, conf, caps, other_tokens, cost, plain_rows=0):
         cands = candidates(conf, caps)
-        return lengths_from(cands[: algorithm1(cands, len(caps), other_tokens, cost)], len(caps))
+        return lengths_from(cands[: algorithm1(cands, len(caps), other_tokens, cost, plain_rows)], len(caps))
 
 
 class DSparkAsync(Policy):
@@ -121,16 +127,16 @@ class DSparkAsync(Policy):
 
     def __init__(self, lag: int = 2) -> None:
         self.lag = lag
-        self.history: deque[tuple[list[float], int]] = deque(maxlen=lag)
+        self.history: deque[tuple[list[float], int, int]] = deque(maxlen=lag)  # (survivals, R drafted, plain rows)
 
-    def choose(self, conf, caps, other_tokens, cost):
+    def choose(self, conf, caps, other_tokens, cost, plain_rows=0):
         cands = candidates(conf, caps)
         if len(self.history) == self.lag:
-            old, old_r = self.history[0]
-            budget = global_best(old, old_r, other_tokens, cost)
+            old, old_r, old_plain = self.history[0]
+            budget = global_best(old, old_r, other_tokens, cost, old_plain)
         else:  # warm-up: the synchronous, causal rule
-            budget = algorithm1(cands, len(caps), other_tokens, cost)
-        self.history.append(([c.survival for c in cands], len(caps)))
+            budget = algorithm1(cands, len(caps), other_tokens, cost, plain_rows)
+        self.history.append(([c.survival for c in cands], len(caps), plain_rows))
         return lengths_from(cands[:budget], len(caps))
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
 
@@ -114,6 +115,19 @@ class StepProfile:
         """Seconds of a speculative step: draft depth positions for r requests (a batch that samples, or
         not), verify b tokens, accept."""
         return (self.draft(r, depth, sampled) + self.verify(b)) * self.spec_scale
+
+    def pricer(self, r: float, depth: int | None = None, sampled: bool = False,
+               verified: dict[int, float] | None = None) -> Callable[[int, int], float]:
+        """`cost` for one r, for a walk that prices many budgets (Algorithm 1): the proposal priced once,
+        each verify(b) looked up in `verified`, filled as it goes (share it between walks)."""
+        draft, seen = self.draft(r, depth, sampled), {} if verified is None else verified
+
+        def cost(_r: float, b: int) -> float:
+            v = seen.get(b)
+            if v is None:
+                v = seen[b] = self.verify(b)
+            return (draft + v) * self.spec_scale
+        return cost
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)

@@ -66,7 +66,7 @@ class GateConfig:
     # it opened the gate at one or two positions where the full block kept it closed, and lost to plain decoding at
     # 16 requests (mixed 0.954x, hostile 0.906x; docs/results/online/gate-depth/): the gate's step model, decoding
     # requests alone, misses what the engine really pays around a drafted step under load
-    select: bool = True  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
+    select: bool = False  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none
     depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction

@@ -75,3 +75,19 @@ def test_sampled_single_stream_reads_one_client_at_temperature_one(tmp_path):
     assert (got["status"], got["value"]) == ("met", 1.4)
     write(tmp_path, "online/c1-six-t1/online", {"settings": {"temperature": 0.0}, "rows": rows, "ratios": ratios(rows)})
     assert by_goal(goals.run(tmp_path))[goal]["status"] == "not measured"  # a greedy run is not this goal
+
+
+def test_goals_say_which_machine_ran_each_source(tmp_path):
+    old = {"cpu": "AMD EPYC", "cores": 2}
+    new = {"cpu": "AMD EPYC", "cpu_id": "family 25, model 17", "isa": "avx512_bf16", "cores": 2}
+    rows = online_rows(1.2)
+    write(tmp_path, "online/online", {"rows": rows, "ratios": ratios(rows), "machine": old})
+    write(tmp_path, "online/online-hostile", {"rows": rows, "ratios": ratios(rows), "machine": new})
+    payload = goals.run(tmp_path)
+    text = (tmp_path / "goals" / "goals.md").read_text()
+    assert payload["machines"]["online/online"] == "AMD EPYC (2 cores)"
+    assert "different machines: AMD EPYC (2 cores): `online/online.json`; " \
+           "AMD EPYC (family 25, model 17; avx512_bf16; 2 cores): `online/online-hostile.json`" in text
+    write(tmp_path, "online/online", {"rows": rows, "ratios": ratios(rows), "machine": new})
+    goals.run(tmp_path)
+    assert "Every source ran on AMD EPYC (family 25, model 17" in (tmp_path / "goals" / "goals.md").read_text()

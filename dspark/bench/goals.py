@@ -153,17 +153,32 @@ SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results
 ]
 
 
+def machines_note(machines: dict[str, str]) -> str:
+    """Which machine ran each source: one line where all agree, else one per machine (a ratio stays within
+    its own run, but goals read off different machines are not one snapshot)."""
+    groups: dict[str, list[str]] = {}
+    for name, line in machines.items():
+        groups.setdefault(line, []).append(f"`{name}.json`")
+    if len(groups) <= 1:
+        return "".join(f"Every source ran on {line}.\n\n" for line in groups)
+    return "Sources ran on different machines: " + "; ".join(
+        f"{line}: {', '.join(names)}" for line, names in groups.items()) + ".\n\n"
+
+
 def run(results: str | Path) -> dict:
     results = Path(results)
     loaded = {name: _load(results, name) for name, _ in SECTIONS}
     checks = [c for name, fn in SECTIONS for c in fn(loaded[name])]
     sources = {name: (res or {}).get("date") for name, res in loaded.items()}
-    payload = {"benchmark": "goals", "results": str(results), "sources": sources,
+    machines = {name: report.machine_line(res["machine"]) for name, res in loaded.items()
+                if res and "machine" in res}
+    payload = {"benchmark": "goals", "results": str(results), "sources": sources, "machines": machines,
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
     md = ["# Benchmark goals against the committed results\n\n",
           "Read from the JSON files next to this one by `dspark bench goals`; each ratio comes from one run of "
           "one benchmark command, configurations side by side. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
+          machines_note(machines),
           report.table(["goal", "bar", "measured", "status", "source", "detail"],
                        [[c.goal, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
     report.write(results / "goals", "goals", payload, "".join(md))

@@ -118,7 +118,9 @@ def test_eval_drafter_measures_a_saved_drafter_as_training_does(qwen3_dir, saved
     target, tok, drafter, _ = build(cfg)
     expected = evaluate(drafter, target, read_rows(cfg.heldout), cfg, 7, tok.token_id("<|endoftext|>") or 0)
     result = evaluate_drafters(cfg, [str(saved / "start")])
-    assert result["drafters"][str(saved / "start")] == expected
+    measured = result["drafters"][str(saved / "start")]
+    assert {k: v for k, v in measured.items() if not k.startswith("walk_")} == expected
+    assert measured["walk_tau"] >= 1.0 and measured["walk_rounds"] > 0
     assert evaluate_drafters(cfg, [str(saved / "start")], anchors=3)["settings"]["anchors_per_seq"] == 3
     with pytest.raises(ValueError, match="at least one drafter"):
         evaluate_drafters(cfg, [])
@@ -150,3 +152,29 @@ def test_eval_drafter_command_measures_on_other_heldout_answers(qwen3_dir, saved
     assert result["settings"]["heldout"] == str(saved / "other.jsonl")
     measured = result["drafters"][str(saved / "start")]
     assert len(measured["greedy_acceptance"]) == 7 and measured["greedy_tau"] >= 1.0
+
+
+def test_walk_counts_the_rounds_a_greedy_run_takes_on_its_own_answers():
+    """On the target's greedy answers, the walk (teacher-forced blocks at every position, verification
+    replayed along the text) takes the rounds a greedy `static:7` run of the shipped DSpark drafter took,
+    one by one: training's forward and serving's proposal agree, and `walk_tau` is the τ users see."""
+    from dspark import LLM, SamplingParams
+    from dspark.models.loader import ASSETS
+    from dspark.train.drafter import load_frozen_target
+    from dspark.train.eval_drafter import walk
+
+    llm = LLM(drafter="dspark", policy="static:7", draft_vocab=0, dtype="float32")
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in ("What is 12 times 7?", "Write a Python function that adds two numbers.")]
+    ids = [llm.tokenizer.encode(p) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=48))
+    rows = [{"prompt_ids": i, "response_ids": o.token_ids} for i, o in zip(ids, outs, strict=True)]
+    cfg = DrafterTrainConfig(model="dspark-small", seq_len=256)
+    target, tok = load_frozen_target(cfg)
+    drafter = load_drafter(str(ASSETS / "dspark-small" / "drafters" / "dspark")).float()
+    drafter._target = [target]
+    got = walk(drafter, target, rows, cfg, tok.pad_id)
+    served_rounds = sum(o.stats["rounds"] - 1 for o in outs)  # the prefill round drafts nothing
+    served_tokens = sum(len(o.token_ids) - 1 for o in outs)
+    assert got["walk_rounds"] == served_rounds and got["walk_tau"] == round(served_tokens / served_rounds, 4)
+    assert got["walk_tau"] > 1.0  # the drafter was accepted somewhere: the comparison is not vacuous

@@ -31,12 +31,22 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft from the N most frequent tokens (0: all; default: the drafter's own setting; "
                         "counts from `dspark draft-vocab`)")
+    p.add_argument("--gate", default="", metavar="KEY=VALUE,...",
+                   help="options of the never-slower gate of the dspark policies, e.g. enabled=0 or cut=1 "
+                        "(`GateConfig` in dspark/engine/gate.py)")
 
 
 def engine_config(args: argparse.Namespace, **extra):
     from dspark.config import EngineConfig, default_device
 
     return EngineConfig(device=args.device or default_device(), dtype=args.dtype, **extra)
+
+
+def gate_config(text: str):
+    """`--gate` options as a GateConfig (None: the defaults)."""
+    from dspark.engine.gate import GateConfig
+
+    return GateConfig.parse(text) if text else None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -46,7 +56,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     llm = LLM(args.model, engine_config(args), drafter=args.drafter, policy=args.policy, gamma=args.gamma,
-              draft_vocab=args.draft_vocab)
+              draft_vocab=args.draft_vocab, gate=args.gate)
     prompt = args.prompt
     if args.chat:
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -119,7 +129,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     engine = build_engine(args.model, args.drafter, args.policy or "dspark", engine_config(args),
                           gamma=args.gamma, profile="refresh" if args.refresh else "auto",
-                          draft_vocab=args.draft_vocab)
+                          draft_vocab=args.draft_vocab, gate=gate_config(args.gate))
     prof = engine.runner.profile
     if prof is None:
         print("no step profile: this engine weighs no costs (name a drafter and a cost-weighing policy)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from dspark.config import EngineConfig
 from dspark.engine.factory import build_engine
+from dspark.engine.gate import GateConfig
 from dspark.engine.output import RequestOutput
 from dspark.sampling import SamplingParams
 
@@ -20,14 +21,18 @@ from dspark.sampling import SamplingParams
 class LLM:
     def __init__(self, model: str | Path | None = None, engine_config: EngineConfig | None = None,
                  drafter: str | None = None, policy: str | None = None, gamma: int | None = None,
-                 profile: str = "auto", draft_vocab: int | None = None, **engine_kwargs) -> None:
+                 profile: str = "auto", draft_vocab: int | None = None, gate: str | GateConfig | None = None,
+                 **engine_kwargs) -> None:
         """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | PATH; policy: none | static:K |
         threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
         shipped dspark drafter and policy on the built-in models, plain decoding elsewhere).
         draft_vocab: draft from the N most frequent tokens (0: all; None: the drafter's own setting;
-        `dspark draft-vocab`)."""
+        `dspark draft-vocab`). gate: the never-slower gate's options, a GateConfig or 'enabled=0,cut=1'
+        (None: the defaults)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
-        self.engine = build_engine(model, drafter, policy, cfg, gamma, profile, draft_vocab=draft_vocab)
+        if isinstance(gate, str):
+            gate = GateConfig.parse(gate) if gate else None
+        self.engine = build_engine(model, drafter, policy, cfg, gamma, profile, draft_vocab=draft_vocab, gate=gate)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],

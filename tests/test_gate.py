@@ -526,3 +526,16 @@ def test_gate_options_parse_into_a_config_and_bad_ones_are_named():
                       ("select", "KEY=VALUE")):
         with pytest.raises(ValueError, match=said):
             GateConfig.parse(bad)
+
+
+def test_gate_options_reach_the_engine_from_llm_and_the_command_line(qwen3_dir, capsys):
+    from dspark import LLM
+    from dspark.cli import main
+
+    assert LLM(qwen3_dir, drafter="ngram", policy="dspark", gate="cut=1", device="cpu").engine.runner.gate.cfg.cut
+    assert LLM(qwen3_dir, drafter="ngram", policy="dspark", gate="enabled=0", device="cpu").engine.runner.gate is None
+    assert main(["generate", "--model", str(qwen3_dir), "--device", "cpu", "--drafter", "ngram", "--policy", "dspark",
+                 "--gate", "selekt=1", "--max-tokens", "2", "hi"]) == 2
+    assert "gate option 'selekt=1'" in capsys.readouterr().err
+    assert main(["generate", "--model", str(qwen3_dir), "--device", "cpu", "--drafter", "ngram", "--policy", "dspark",
+                 "--gate", "probe_every=2", "--max-tokens", "2", "hi"]) == 0

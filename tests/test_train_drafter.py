@@ -178,3 +178,10 @@ def test_walk_counts_the_rounds_a_greedy_run_takes_on_its_own_answers():
     served_tokens = sum(len(o.token_ids) - 1 for o in outs)
     assert got["walk_rounds"] == served_rounds and got["walk_tau"] == round(served_tokens / served_rounds, 4)
     assert got["walk_tau"] > 1.0  # the drafter was accepted somewhere: the comparison is not vacuous
+
+
+def test_walk_rows_are_spread_through_the_file():
+    from dspark.train.eval_drafter import spread
+
+    rows = [{"i": i} for i in range(10)]
+    assert [r["i"] for r in spread(rows, 4)] == [0, 2, 5, 7] and spread(rows, 20) == rows

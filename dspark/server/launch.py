@@ -24,6 +24,7 @@ from fastapi import FastAPI
 
 from dspark.config import EngineConfig, default_device
 from dspark.engine.engine import LLMEngine
+from dspark.engine.gate import GateConfig
 from dspark.models.loader import DEFAULT_MODEL
 
 
@@ -46,7 +47,8 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     )
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
                       policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None),
-                      draft_vocab=getattr(args, "draft_vocab", None))
+                      draft_vocab=getattr(args, "draft_vocab", None),
+                      gate=GateConfig.parse(args.gate) if getattr(args, "gate", "") else None)
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

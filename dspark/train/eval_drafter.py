@@ -48,9 +48,16 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
         check_compatible(drafter.config, target)
         drafter._target = [target]  # type: ignore[attr-defined]
         out[path] = {**evaluate(drafter, target, held, cfg, drafter.config.gamma, pad),
-                     **walk(drafter, target, held[: cfg.batch_size * cfg.eval_batches], cfg, pad)}
+                     **walk(drafter, target, spread(held, cfg.batch_size * cfg.eval_batches), cfg, pad)}
     return {"settings": {k: getattr(cfg, k) for k in ("model", "heldout", "seq_len", "batch_size", "eval_batches",
                                                        "anchors_per_seq", "seed")}, "drafters": out}
+
+
+def spread(rows: Sequence[dict], n: int) -> list[dict]:
+    """n rows evenly spaced through the file (answers are written domain by domain), or all of them."""
+    if len(rows) <= n:
+        return list(rows)
+    return [rows[i * len(rows) // n] for i in range(n)]
 
 
 @torch.no_grad()

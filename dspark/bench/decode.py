@@ -10,7 +10,6 @@ prompts; runs alternate (ours, theirs, ours, ...) and the best of `--repeats` is
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import torch
 
@@ -44,7 +43,7 @@ def run(model: str | None, concurrency: list[int], max_tokens: int, repeats: int
 
     from dspark.config import EngineConfig
     from dspark.engine.factory import assemble
-    from dspark.models.loader import load_model, resolve_model_path
+    from dspark.models.loader import load_model, model_label, resolve_model_path
 
     path = resolve_model_path(model)
     net, tok = load_model(path, "cpu", "float32")
@@ -67,7 +66,7 @@ def run(model: str | None, concurrency: list[int], max_tokens: int, repeats: int
     md = "# Plain decoding: dspark engine vs transformers generate()\n\n" + report.table(
         ["concurrent requests", "dspark tok/s", "transformers tok/s", "dspark / transformers"],
         [[r["concurrency"], r["dspark_tok_s"], r["transformers_tok_s"], r["ratio"]] for r in rows],
-    ) + f"\nModel: `{Path(path).name}`; greedy, {max_tokens} new tokens per request (EOS ignored), best of {repeats} alternating runs.\n"
+    ) + f"\nModel: `{model_label(path)}`; greedy, {max_tokens} new tokens per request (EOS ignored), best of {repeats} alternating runs.\n"
     payload = {"benchmark": "decode", "model": str(path), "max_tokens": max_tokens, "rows": rows}
     report.write(out, "decode", payload, md)
     print(md)

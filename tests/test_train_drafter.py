@@ -185,3 +185,11 @@ def test_walk_rows_are_spread_through_the_file():
 
     rows = [{"i": i} for i in range(10)]
     assert [r["i"] for r in spread(rows, 4)] == [0, 2, 5, 7] and spread(rows, 20) == rows
+
+
+def test_rounds_along_an_answer_move_past_the_token_after_the_accepted_drafts():
+    from dspark.train.eval_drafter import rounds_along
+
+    chain = {10: 2, 13: 0, 14: 5, 20: 7}  # accepted drafts per anchor position
+    assert rounds_along(chain, 10, 24, 7) == [(2, 7), (0, 7), (5, 7), (3, 3)]  # the last round: room for 3 before 24
+    assert rounds_along({}, 5, 5, 7) == [] and rounds_along({5: 4}, 5, 6, 7) == [(0, 1)]

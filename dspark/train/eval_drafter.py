@@ -64,15 +64,16 @@ def spread(rows: Sequence[dict], n: int) -> list[dict]:
 def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: int) -> dict:
     """Greedy verification walked along each answer: a block drafted (teacher-forced) at every response
     position, the round at position p accepting the drafts that match the target's argmax up to the first
-    miss and moving to p + accepted + 1. `walk_tau` is emitted tokens per round and `walk_first` the share
-    of rounds whose first draft is accepted, what a greedy `static:γ` run sees on these prompts; exact on
-    greedy answers (`regen --temperature 0`), where each next token is the target's argmax. The uniformly
-    drawn anchors of `greedy_tau` weigh easy stretches, which a run crosses in a few long rounds, as much
-    as hard ones, where it spends most of its rounds: on 30 of the benchmark's greedy answers dspark-small's
-    drafter scored greedy τ 2.51 and walk τ 1.92, and a served run 1.90."""
+    miss and moving to p + accepted + 1. `walk_tau` is emitted tokens per round, `walk_first` the share of
+    rounds whose first draft is accepted and `walk_acceptance` each position's acceptance among the rounds
+    that reached it: what a greedy `static:γ` run sees on these prompts, exact on greedy answers (`regen
+    --temperature 0`), where each next token is the target's argmax. The uniformly drawn anchors of
+    `greedy_tau` weigh easy stretches, which a run crosses in a few long rounds, as much as hard ones, where it
+    spends most of its rounds (dspark-small's DSpark drafter: greedy τ 3.480, walked 2.599;
+    `docs/models/dspark-small.md`)."""
     gamma, device = drafter.config.gamma, train_device(cfg)
     drafter.eval()
-    tokens = rounds = accepted_first = 0
+    tried, hits, tokens = [0] * gamma, [0] * gamma, 0
     for row in rows:
         batch = make_batch([row], cfg.seq_len, gamma, cfg.seq_len, np.random.default_rng(0), pad)  # every anchor
         if not bool(batch.valid.any()):
@@ -84,11 +85,25 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
         chain = dict(zip(batch.anchors[0].tolist(), torch.cumprod(match[0].long(), -1).sum(-1).tolist(),
                          strict=True))
         last = min(len(row["prompt_ids"]) + len(row["response_ids"]), cfg.seq_len) - 1
-        p = len(row["prompt_ids"])
-        while p < last:
-            n = min(chain.get(p, 0), last - p - 1)
-            tokens, rounds, accepted_first = tokens + n + 1, rounds + 1, accepted_first + (n > 0)
-            p += n + 1
+        for n, room in rounds_along(chain, len(row["prompt_ids"]), last, gamma):
+            tokens += n + 1
+            for k in range(min(n + 1, room)):  # positions 1..n accepted, n + 1 tried and missed (if in the text)
+                tried[k], hits[k] = tried[k] + 1, hits[k] + (k < n)
     drafter.train()
-    return {"walk_tau": round(tokens / max(1, rounds), 4), "walk_first": round(accepted_first / max(1, rounds), 4),
+    rounds = tried[0]
+    return {"walk_tau": round(tokens / max(1, rounds), 4), "walk_first": round(hits[0] / max(1, rounds), 4),
+            "walk_acceptance": [round(h / t, 4) if t else None for h, t in zip(hits, tried, strict=True)],
             "walk_rounds": rounds}
+
+
+def rounds_along(chain: dict[int, int], start: int, last: int, gamma: int) -> list[tuple[int, int]]:
+    """(accepted, positions the text leaves room for) of each round from `start` to `last`: a round at p
+    accepts `chain[p]` drafts, at most up to the token before `last`, and the next starts after the token
+    that follows them."""
+    out, p = [], start
+    while p < last:
+        room = min(gamma, last - p - 1)
+        n = min(chain.get(p, 0), room)
+        out.append((n, max(1, room)))
+        p += n + 1
+    return out

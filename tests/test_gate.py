@@ -500,10 +500,10 @@ def test_the_gate_drafts_only_for_the_requests_whose_records_pay():
     for _ in range(50):
         everyone.update([GAMMA] * 4, [GAMMA, 0, 0, 0])
     own = [good if i % 4 == 1 else bad for i in range(16)]
-    verdict = Gate(GateConfig(), everyone, prof).decide(16, [GAMMA] * 16, own)
+    verdict = Gate(GateConfig(select=True), everyone, prof).decide(16, [GAMMA] * 16, own)
     assert verdict.depth == GAMMA and verdict.rows == (1, 5, 9, 13)
-    assert Gate(GateConfig(select=False), everyone, prof).decide(16, [GAMMA] * 16, own).depth == 0
-    gate = Gate(GateConfig(), everyone, prof)
+    assert Gate(GateConfig(), everyone, prof).decide(16, [GAMMA] * 16, own).depth == 0  # off by default: all or none
+    gate = Gate(GateConfig(select=True), everyone, prof)
     assert gate.should_draft(16, [GAMMA] * 16, own) and not gate.probing
     assert gate.chosen(list("abcdefghijklmnop")) == ["b", "f", "j", "n"]
 

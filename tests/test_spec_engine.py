@@ -152,7 +152,7 @@ def test_an_open_gate_drafts_for_the_requests_it_picked_and_stays_exact(qwen3_di
     net, tok = load_model(qwen3_dir)
     drafter = new_drafter(new_config("ngram", net.config, tok.token_id("<|mask|>") or 0))
     cfg = EngineConfig(device="cpu", block_size=4, max_num_batched_tokens=96)
-    engine = assemble(net, tok, cfg, drafter=drafter, policy="dspark", gate=GateConfig(probe_requests=1))
+    engine = assemble(net, tok, cfg, drafter=drafter, policy="dspark", gate=GateConfig(select=True, probe_requests=1))
     engine.runner.set_profile(StepProfile("one", tokens=[1, 96], verify_s=[1e-3, 1e-3], requests=[1, 2],
                                           draft_s=[1e-6, 10.0]))
     drafted = []

@@ -42,13 +42,6 @@ def engine_config(args: argparse.Namespace, **extra):
     return EngineConfig(device=args.device or default_device(), dtype=args.dtype, **extra)
 
 
-def gate_config(text: str):
-    """`--gate` options as a GateConfig (None: the defaults)."""
-    from dspark.engine.gate import GateConfig
-
-    return GateConfig.parse(text) if text else None
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from dspark.llm import LLM
     from dspark.sampling import SamplingParams
@@ -126,10 +119,11 @@ def cmd_export_drafter(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from dspark.engine.factory import build_engine
+    from dspark.engine.gate import GateConfig
 
     engine = build_engine(args.model, args.drafter, args.policy or "dspark", engine_config(args),
                           gamma=args.gamma, profile="refresh" if args.refresh else "auto",
-                          draft_vocab=args.draft_vocab, gate=gate_config(args.gate))
+                          draft_vocab=args.draft_vocab, gate=GateConfig.parse(args.gate))
     prof = engine.runner.profile
     if prof is None:
         print("no step profile: this engine weighs no costs (name a drafter and a cost-weighing policy)")

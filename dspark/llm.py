@@ -31,7 +31,7 @@ class LLM:
         (None: the defaults)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
         if isinstance(gate, str):
-            gate = GateConfig.parse(gate) if gate else None
+            gate = GateConfig.parse(gate)
         self.engine = build_engine(model, drafter, policy, cfg, gamma, profile, draft_vocab=draft_vocab, gate=gate)
         self.tokenizer = self.engine.tokenizer
 

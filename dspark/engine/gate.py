@@ -28,6 +28,19 @@ class Verdict:
     rows: tuple[int, ...] | None = None
 
 
+def ranks(cands: Sequence[Candidate], num_requests: int) -> list[int]:
+    """Each request's rank by its expected accepted tokens from a full draft, the sum of its candidates'
+    survivals (0: the best; ties by index)."""
+    expected = [0.0] * num_requests
+    for c in cands:
+        expected[c.request] += c.survival
+    order = sorted(range(num_requests), key=lambda r: (-expected[r], r))
+    rank = [0] * num_requests
+    for i, r in enumerate(order):
+        rank[r] = i
+    return rank
+
+
 def ladder(n: int) -> list[int]:
     """The subset sizes the gate prices: every size up to 8, then about 1.5x apart, and n."""
     sizes, m = [], 1
@@ -128,11 +141,6 @@ class Gate:
         self.probe_extra: float | None = None  # what probes measured to cost beyond a plain step, in plain steps
         self.sampled = False  # whether the batch judged samples (its proposal may draft over more tokens)
         self.blended: dict[int, tuple[tuple, list[float]]] = {}  # id(own record) -> (versions, z; its estimates)
-
-    def cost(self, r: float, b: int, depth: int | None = None) -> float:
-        """A drafted step's seconds: the costly drafter runs for draft_share of the r requests."""
-        assert self.profile is not None
-        return self.profile.cost(r * self.draft_share, b, depth, self.sampled)
 
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
@@ -282,9 +290,8 @@ class Gate:
         request's deep positions that the mean undervalues."""
         assert self.profile is not None
         deepest = max(caps, default=0)
-        est = self.estimates(num_requests, own)
-        cands = candidates(est, caps)
-        rank = self.ranks(est, caps)
+        cands = candidates(self.estimates(num_requests, own), caps)
+        rank = ranks(cands, num_requests) if self.cfg.select else [0] * num_requests
         sizes = ladder(num_requests) if self.cfg.select else [num_requests]
         plain = num_requests / self.profile.verify(num_requests)
         verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
@@ -303,23 +310,12 @@ class Gate:
         m = best_at[depth][1]
         return Verdict(depth, tuple(sorted(r for r in range(num_requests) if rank[r] < m)))
 
-    @staticmethod
-    def ranks(est: torch.Tensor, caps: Sequence[int]) -> list[int]:
-        """Each request's rank by its expected accepted tokens from a full draft (0: the best; ties by index)."""
-        surv = torch.cumprod(est, dim=1)
-        mask = torch.arange(est.shape[1])[None, :] < torch.tensor(list(caps))[:, None]
-        expected = (surv * mask).sum(1).tolist()
-        order = sorted(range(len(expected)), key=lambda r: (-expected[r], r))
-        rank = [0] * len(order)
-        for i, r in enumerate(order):
-            rank[r] = i
-        return rank
-
     def rate(self, num_requests: int, drafted: int, cands: Iterable[Candidate], depth: int,
              verified: dict[int, float] | None = None) -> float:
         """Expected tokens per second of a step drafting depth positions for `drafted` of the requests (their
         candidates `cands`), the budget chosen by Algorithm 1; the rest decode plainly in the same forward.
-        The costs are `cost`'s (the router's share included), verify(b) memoised in `verified`."""
+        The costly drafter runs for draft_share of the drafted requests (a router); verify(b) is memoised in
+        `verified`."""
         assert self.profile is not None
         cost = self.profile.pricer(drafted * self.draft_share, depth, self.sampled, verified)
         walked: list[Candidate] = []  # read lazily: the walk stops at its first loss, long before the end

@@ -48,7 +48,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
                       policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None),
                       draft_vocab=getattr(args, "draft_vocab", None),
-                      gate=GateConfig.parse(args.gate) if getattr(args, "gate", "") else None)
+                      gate=GateConfig.parse(getattr(args, "gate", "")))
 
 
 def build_app(args: argparse.Namespace) -> FastAPI:

@@ -114,7 +114,7 @@ class StepProfile:
     def cost(self, r: float, b: int, depth: int | None = None, sampled: bool = False) -> float:
         """Seconds of a speculative step: draft depth positions for r requests (a batch that samples, or
         not), verify b tokens, accept."""
-        return (self.draft(r, depth, sampled) + self.verify(b)) * self.spec_scale
+        return self.pricer(r, depth, sampled)(r, b)
 
     def pricer(self, r: float, depth: int | None = None, sampled: bool = False,
                verified: dict[int, float] | None = None) -> Callable[[int, int], float]:

@@ -142,7 +142,11 @@ def block_targets(target, batch: BlockBatch, taps_layers) -> tuple[torch.Tensor,
 def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, rank: int, pad: int) -> BlockBatch:
     rng = np.random.default_rng([cfg.seed, step, rank])
     pick = rng.choice(len(rows), size=cfg.batch_size, replace=len(rows) < cfg.batch_size)
-    batch = make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad)
+    return on_device(make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad), cfg)
+
+
+def on_device(batch: BlockBatch, cfg: DrafterTrainConfig) -> BlockBatch:
+    """The batch's tensors on the training device."""
     dev = train_device(cfg)
     return dataclasses.replace(batch, tokens=batch.tokens.to(dev), anchors=batch.anchors.to(dev),
                                labels=batch.labels.to(dev), valid=batch.valid.to(dev))

@@ -25,6 +25,7 @@ from dspark.train.drafter import (
     evaluate,
     load_frozen_target,
     loss_on,
+    on_device,
     read_rows,
     train_device,
 )
@@ -71,15 +72,14 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     `greedy_tau` weigh easy stretches, which a run crosses in a few long rounds, as much as hard ones, where it
     spends most of its rounds (dspark-small's DSpark drafter: greedy τ 3.480, walked 2.599;
     `docs/models/dspark-small.md`)."""
-    gamma, device = drafter.config.gamma, train_device(cfg)
+    gamma = drafter.config.gamma
     drafter.eval()
     tried, hits, tokens = [0] * gamma, [0] * gamma, 0
     for row in rows:
         batch = make_batch([row], cfg.seq_len, gamma, cfg.seq_len, np.random.default_rng(0), pad)  # every anchor
         if not bool(batch.valid.any()):
             continue
-        batch = dataclasses.replace(batch, tokens=batch.tokens.to(device), anchors=batch.anchors.to(device),
-                                    labels=batch.labels.to(device), valid=batch.valid.to(device))
+        batch = on_device(batch, cfg)
         _, _, logits, t_logits, _ = loss_on(drafter, target, batch, cfg, drafter.config.kind)
         match = (logits.argmax(-1) == t_logits.argmax(-1)) & batch.valid
         chain = dict(zip(batch.anchors[0].tolist(), torch.cumprod(match[0].long(), -1).sum(-1).tolist(),

@@ -193,3 +193,53 @@ def test_rounds_along_an_answer_move_past_the_token_after_the_accepted_drafts():
     chain = {10: 2, 13: 0, 14: 5, 20: 7}  # accepted drafts per anchor position
     assert rounds_along(chain, 10, 24, 7) == [(2, 7), (0, 7), (5, 7), (3, 3)]  # the last round: room for 3 before 24
     assert rounds_along({}, 5, 5, 7) == [] and rounds_along({5: 4}, 5, 6, 7) == [(0, 1)]
+
+
+def test_round_starts_follow_the_rounds_along_an_answer():
+    from dspark.train.eval_drafter import rounds_along, starts_of
+
+    chain = {10: 2, 13: 0, 14: 5, 20: 7}
+    assert starts_of(rounds_along(chain, 10, 24, 7), 10) == [10, 13, 14, 20] and starts_of([], 5) == []
+
+
+def test_walked_anchors_come_from_the_round_starts_and_the_rest_uniformly():
+    import numpy as np
+
+    from dspark.train.anchors import make_batch, pick_anchors
+
+    row = {"prompt_ids": [1] * 8, "response_ids": list(range(4, 60)), "walk": [8, 11, 12, 20, 30, 2, 70]}
+    inside = {8, 11, 12, 20, 30}  # 2 is in the prompt, 70 past the window [8, 40)
+    all_walked = pick_anchors(row, 8, 40, 4, 1.0, np.random.default_rng(0))
+    assert set(all_walked) <= inside and len(set(all_walked)) == 4
+    more = pick_anchors(row, 8, 40, 10, 1.0, np.random.default_rng(0))  # only 5 starts: all taken, 5 uniform
+    assert inside <= set(more) and len(set(more)) == 10 and list(more) == sorted(more)
+    half = pick_anchors(row, 8, 40, 8, 0.5, np.random.default_rng(1))
+    assert len(inside & set(half)) >= 4 and len(set(half)) == 8
+    plain = {k: v for k, v in row.items() if k != "walk"}  # walked = 0, or no walk: the uniform draw as before
+    a = make_batch([row], 41, 3, 6, np.random.default_rng(2))
+    b = make_batch([plain], 41, 3, 6, np.random.default_rng(2), walked=0.5)
+    assert torch.equal(a.anchors, b.anchors)
+    c = make_batch([row], 41, 3, 4, np.random.default_rng(2), walked=1.0)
+    assert set(c.anchors[0].tolist()) <= inside
+
+
+def test_walk_command_writes_each_answers_round_starts(qwen3_dir, saved):
+    """`dspark train walk` writes every answer back with the positions its walked rounds start from: the
+    first at the answer's start, each next one past the drafts the round before accepted, as `eval-drafter`'s
+    walk counts them."""
+    from dspark.cli import main
+    from dspark.train.eval_drafter import walk
+
+    cfg = config(qwen3_dir, saved)
+    toml = saved / "walk.toml"
+    toml.write_text("".join(f"{k} = {json.dumps(getattr(cfg, k))}\n" for k in ("kind", "model", "seq_len")))
+    out = saved / "walked.jsonl"
+    assert main(["train", "walk", "--config", str(toml), "--drafter", str(saved / "start"),
+                 "--data", str(saved / "rows.jsonl"), "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(r["walk"][0] == len(r["prompt_ids"]) for r in rows)
+    assert all(r["walk"] == sorted(set(r["walk"])) and r["walk"][-1] < 31 for r in rows)
+    target, tok = load_model(qwen3_dir, "cpu", "float32")
+    drafter = load_drafter(str(saved / "start")).float()
+    drafter._target = [target]
+    assert sum(len(r["walk"]) for r in rows) == walk(drafter, target, rows, cfg, tok.pad_id)["walk_rounds"]

@@ -5,6 +5,11 @@ time every anchor is a token the target produced). Its block predicts p+1..p+gam
 positions past the end of the sequence are masked out, so each block's labels are a
 contiguous valid prefix. Many anchors per sequence share one target pass; the attention
 mask of `drafters.block.block_mask` keeps every block to its own context.
+
+A row may carry `walk`: the positions a greedy run's rounds start from along it (`dspark train walk`).
+With `walked` > 0 that share of its anchors is drawn from those, the rest uniformly: uniform anchors
+weigh the easy stretches a run crosses in a few long rounds as much as the hard ones where it spends
+most of its rounds, and a round start is a token the drafter did not propose.
 """
 
 from __future__ import annotations
@@ -29,8 +34,18 @@ def valid_anchor_range(prompt_len: int, length: int) -> tuple[int, int]:
     return prompt_len, max(prompt_len, length - 1)
 
 
+def pick_anchors(row: dict, lo: int, hi: int, count: int, walked: float, rng: np.random.Generator) -> np.ndarray:
+    """`count` distinct sorted positions in [lo, hi): a `walked` share from the row's round starts (as many as
+    it has), the rest uniformly from the others."""
+    walk = np.array([p for p in row.get("walk", ()) if lo <= p < hi], dtype=np.int64)
+    take = min(len(walk), round(count * walked))
+    first = rng.choice(walk, size=take, replace=False) if take else np.zeros(0, dtype=np.int64)
+    rest = rng.choice(np.setdiff1d(np.arange(lo, hi), first), size=count - take, replace=False)
+    return np.sort(np.concatenate([first, rest]))
+
+
 def make_batch(rows: list[dict], seq_len: int, gamma: int, anchors_per_seq: int, rng: np.random.Generator,
-               pad_id: int = 0) -> BlockBatch:
+               pad_id: int = 0, walked: float = 0.0) -> BlockBatch:
     b = len(rows)
     tokens = torch.full((b, seq_len), pad_id, dtype=torch.long)
     anchors = torch.zeros(b, anchors_per_seq, dtype=torch.long)
@@ -43,8 +58,7 @@ def make_batch(rows: list[dict], seq_len: int, gamma: int, anchors_per_seq: int,
         lo, hi = valid_anchor_range(len(row["prompt_ids"]), len(seq))
         if hi > lo:
             count = min(anchors_per_seq, hi - lo)
-            picks = rng.choice(np.arange(lo, hi), size=count, replace=False)
-            anchors[i, :count] = torch.from_numpy(np.sort(picks))
+            anchors[i, :count] = torch.from_numpy(pick_anchors(row, lo, hi, count, walked, rng))
             valid_rows[i, :count] = True
     offs = torch.arange(1, gamma + 1)
     pos = anchors[..., None] + offs  # [B, A, g]

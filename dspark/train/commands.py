@@ -1,4 +1,4 @@
-"""`dspark train ...` subcommands: corpus, tokenizer, target, regen, drafter(s), eval-target, eval-drafter.
+"""`dspark train ...` subcommands: corpus, tokenizer, target, regen, drafter(s), eval-target, eval-drafter, walk.
 
     dspark train corpus --out ~/.cache/dspark/corpus
     dspark train tokenizer --corpus ~/.cache/dspark/corpus --out ~/.cache/dspark/tokenizer \
@@ -8,6 +8,7 @@
     dspark train eval-target --model ~/.cache/dspark/export/dspark-tiny-target --out eval.json
     dspark train eval-drafter --config A.toml --drafter DIR --drafter DIR2   # one set of held-out batches
                                                      [--heldout greedy.jsonl]
+    dspark train walk --config A.toml --drafter DIR --data answers.jsonl --out walked.jsonl   # walked anchors
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "(e.g. greedy ones, `regen --temperature 0`)")
     v.add_argument("--out", default=None, help="write the results as JSON here")
     v.set_defaults(func=run_eval_drafter)
+    w = sub.add_parser("walk", help="where a greedy run's rounds start along each answer (walked anchors)")
+    w.add_argument("--config", required=True, help="a drafter training config: target, window")
+    w.add_argument("--drafter", required=True, help="the drafter directory to walk with")
+    w.add_argument("--data", required=True, help="answers (`regen --temperature 0`)")
+    w.add_argument("--out", required=True, help="the answers again, each with `walk`")
+    w.set_defaults(func=run_walk)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -165,4 +172,12 @@ def run_eval_drafter(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).expanduser().write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    return 0
+
+
+def run_walk(args: argparse.Namespace) -> int:
+    from dspark.train.drafter import DrafterTrainConfig
+    from dspark.train.walked import write_walks
+
+    print(json.dumps(write_walks(DrafterTrainConfig.from_file(args.config), args.drafter, args.data, args.out)))
     return 0

@@ -58,6 +58,7 @@ class DrafterTrainConfig:
     seq_len: int = 512
     batch_size: int = 8
     anchors_per_seq: int = 16
+    walked: float = 0.0  # share of each answer's anchors drawn from its greedy walk's round starts (`dspark train walk`)
     max_steps: int = 2000
     lr: float = 1e-3
     warmup_steps: int = 100
@@ -142,7 +143,8 @@ def block_targets(target, batch: BlockBatch, taps_layers) -> tuple[torch.Tensor,
 def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, rank: int, pad: int) -> BlockBatch:
     rng = np.random.default_rng([cfg.seed, step, rank])
     pick = rng.choice(len(rows), size=cfg.batch_size, replace=len(rows) < cfg.batch_size)
-    return on_device(make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad), cfg)
+    return on_device(make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad,
+                                cfg.walked), cfg)
 
 
 def on_device(batch: BlockBatch, cfg: DrafterTrainConfig) -> BlockBatch:

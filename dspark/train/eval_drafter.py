@@ -22,9 +22,9 @@ import torch
 from dspark.train.anchors import make_batch
 from dspark.train.drafter import (
     DrafterTrainConfig,
+    block_targets,
     evaluate,
     load_frozen_target,
-    loss_on,
     on_device,
     read_rows,
     train_device,
@@ -76,16 +76,8 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     drafter.eval()
     tried, hits, tokens = [0] * gamma, [0] * gamma, 0
     for row in rows:
-        batch = make_batch([row], cfg.seq_len, gamma, cfg.seq_len, np.random.default_rng(0), pad)  # every anchor
-        if not bool(batch.valid.any()):
-            continue
-        batch = on_device(batch, cfg)
-        _, _, logits, t_logits, _ = loss_on(drafter, target, batch, cfg, drafter.config.kind)
-        match = (logits.argmax(-1) == t_logits.argmax(-1)) & batch.valid
-        chain = dict(zip(batch.anchors[0].tolist(), torch.cumprod(match[0].long(), -1).sum(-1).tolist(),
-                         strict=True))
-        last = min(len(row["prompt_ids"]) + len(row["response_ids"]), cfg.seq_len) - 1
-        for n, room in rounds_along(chain, len(row["prompt_ids"]), last, gamma):
+        chain = chain_of(drafter, target, row, cfg, pad)
+        for n, room in rounds_along(chain, len(row["prompt_ids"]), last_of(row, cfg), gamma):
             tokens += n + 1
             for k in range(min(n + 1, room)):  # positions 1..n accepted, n + 1 tried and missed (if in the text)
                 tried[k], hits[k] = tried[k] + 1, hits[k] + (k < n)
@@ -94,6 +86,36 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     return {"walk_tau": round(tokens / max(1, rounds), 4), "walk_first": round(hits[0] / max(1, rounds), 4),
             "walk_acceptance": [round(h / t, 4) if t else None for h, t in zip(hits, tried, strict=True)],
             "walk_rounds": rounds}
+
+
+@torch.no_grad()
+def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> dict[int, int]:
+    """{anchor position: drafts of its teacher-forced block that match the target's argmax up to the first miss},
+    for every response position of one answer (empty where it has none)."""
+    gamma, length = drafter.config.gamma, last_of(row, cfg) + 1
+    every = max(1, length - 1 - len(row["prompt_ids"]))  # every anchor, in a window as long as the answer
+    batch = make_batch([row], length, gamma, every, np.random.default_rng(0), pad)
+    if not bool(batch.valid.any()):
+        return {}
+    batch = on_device(batch, cfg)
+    taps, t_logits = block_targets(target, batch, drafter.taps)
+    logits, _ = drafter.train_forward(taps, batch.tokens, batch.anchors)
+    match = (logits.argmax(-1) == t_logits.argmax(-1)) & batch.valid
+    return dict(zip(batch.anchors[0].tolist(), torch.cumprod(match[0].long(), -1).sum(-1).tolist(), strict=True))
+
+
+def last_of(row: dict, cfg: DrafterTrainConfig) -> int:
+    """The position of the answer's last token inside the training window."""
+    return min(len(row["prompt_ids"]) + len(row["response_ids"]), cfg.seq_len) - 1
+
+
+def starts_of(rounds: Sequence[tuple[int, int]], start: int) -> list[int]:
+    """The position each round of `rounds_along(..., start, ...)` drafts from."""
+    out, p = [], start
+    for n, _ in rounds:
+        out.append(p)
+        p += n + 1
+    return out
 
 
 def rounds_along(chain: dict[int, int], start: int, last: int, gamma: int) -> list[tuple[int, int]]:

@@ -70,7 +70,7 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     that reached it: what a greedy `static:γ` run sees on these prompts, exact on greedy answers (`regen
     --temperature 0`), where each next token is the target's argmax. The uniformly drawn anchors of
     `greedy_tau` weigh easy stretches, which a run crosses in a few long rounds, as much as hard ones, where it
-    spends most of its rounds (dspark-small's DSpark drafter: greedy τ 3.480, walked 2.599;
+    spends most of its rounds (dspark-small's stage-11 DSpark drafter: greedy τ 3.480, walked 2.599;
     `docs/models/dspark-small.md`)."""
     gamma = drafter.config.gamma
     drafter.eval()

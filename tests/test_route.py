@@ -24,6 +24,7 @@ from dspark.spec.profile import StepProfile
 from tests.conftest import build_tiny
 from tests.test_spec_engine import PROMPTS, engine_for, run
 
+
 class Fixed(StepProfile):
     """A profile that keeps its numbers: the engine's corrections from measured step times are off, so a
     slower or busier machine routes the same requests (no verdict here may race the clock)."""

@@ -37,9 +37,9 @@ class Fixed(StepProfile):
 
 
 PROFILE = Fixed("test", tokens=[1, 64, 1024], verify_s=[1e-3, 1.2e-3, 3e-3], requests=[1, 64],
-                      draft_s=[0.1e-3, 1e-3])  # GPU-like: verifying more tokens costs little, drafting a fixed part
+                draft_s=[0.1e-3, 1e-3])  # GPU-like: verifying more tokens costs little, drafting a fixed part
 CHEAP = Fixed("cheap", tokens=[1, 64, 1024], verify_s=[1e-3, 1.2e-3, 3e-3], requests=[1, 64],
-                    draft_s=[1e-5, 1e-4])
+              draft_s=[1e-5, 1e-4])
 
 
 def routed(path, policy: str, profile: StepProfile | None = PROFILE, sure: float = 0.0,

@@ -31,11 +31,19 @@ from dspark.train.drafter import (
 )
 
 
-def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors: int = 0) -> dict:
-    """{drafter dir: held-out acceptance per position, expected τ (and confidence error)}."""
+def load_against(path: str, target, cfg: DrafterTrainConfig):
+    """The saved drafter at `path` in float32 on the training device, checked against and reading `target`."""
     from dspark.drafters.neural import check_compatible
     from dspark.drafters.registry import load_drafter
 
+    drafter = load_drafter(path).float().to(train_device(cfg))
+    check_compatible(drafter.config, target)
+    drafter._target = [target]  # type: ignore[attr-defined]
+    return drafter
+
+
+def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors: int = 0) -> dict:
+    """{drafter dir: held-out acceptance per position, expected τ (and confidence error)}."""
     if not drafters:
         raise ValueError("name at least one drafter directory (--drafter DIR)")
     if anchors:
@@ -45,9 +53,7 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
     pad = tok.pad_id
     out = {}
     for path in drafters:
-        drafter = load_drafter(path).float().to(train_device(cfg))
-        check_compatible(drafter.config, target)
-        drafter._target = [target]  # type: ignore[attr-defined]
+        drafter = load_against(path, target, cfg)
         out[path] = {**evaluate(drafter, target, held, cfg, drafter.config.gamma, pad),
                      **walk(drafter, target, spread(held, cfg.batch_size * cfg.eval_batches), cfg, pad)}
     return {"settings": {k: getattr(cfg, k) for k in ("model", "heldout", "seq_len", "batch_size", "eval_batches",

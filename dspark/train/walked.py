@@ -15,21 +15,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dspark.train.drafter import DrafterTrainConfig, load_frozen_target, read_rows, train_device
-from dspark.train.eval_drafter import chain_of, last_of, rounds_along, starts_of
+from dspark.train.drafter import DrafterTrainConfig, load_frozen_target, read_rows
+from dspark.train.eval_drafter import chain_of, last_of, load_against, rounds_along, starts_of
 
 
 def write_walks(cfg: DrafterTrainConfig, drafter_dir: str, data: str, out: str) -> dict:
     """Walk every answer of `data` with the drafter in `drafter_dir`; write the rows with `walk` to `out`."""
     from tqdm import tqdm
 
-    from dspark.drafters.neural import check_compatible
-    from dspark.drafters.registry import load_drafter
-
     target, tok = load_frozen_target(cfg)
-    drafter = load_drafter(drafter_dir).float().to(train_device(cfg))
-    check_compatible(drafter.config, target)
-    drafter._target = [target]  # type: ignore[attr-defined]
+    drafter = load_against(drafter_dir, target, cfg)
     drafter.eval()
     rows, rounds, tokens = read_rows(data), 0, 0
     path = Path(out).expanduser()

@@ -110,6 +110,23 @@ def test_greedy_rollouts_calibrate_the_greedy_temperatures_only(qwen3_dir, tmp_p
     assert json.loads((tmp_path / "out" / "calibration.json").read_text())["key"] == "sts_greedy"
 
 
+def test_calibrate_without_writing_says_so_and_leaves_the_config(qwen3_dir, tmp_path):
+    """`--no-write` reports the choice it would make, marks nothing as written and leaves config.json as it was."""
+    from dspark.train.calibrate import calibrate
+
+    net, tok = load_model(qwen3_dir)
+    torch.manual_seed(0)
+    d = new_drafter(new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, gamma=3))
+    save_drafter(d, d.config, tmp_path / "drafter")
+    before = (tmp_path / "drafter" / "config.json").read_text()
+    calibrate(str(qwen3_dir), str(tmp_path / "drafter"), ["The quick brown fox", "def add(a, b):"],
+              str(tmp_path / "out"), max_tokens=12, write=False)
+    assert (tmp_path / "drafter" / "config.json").read_text() == before
+    report = (tmp_path / "out" / "calibration.md").read_text()
+    assert "Not written (--no-write); the choice: Written:" in report
+    assert json.loads((tmp_path / "out" / "calibration.json").read_text())["written"] is None
+
+
 def test_temperatures_in_use_that_score_best_are_kept():
     from dspark.spec.sts import Calibration
     from dspark.train.calibrate import shipped_temperatures

@@ -140,6 +140,8 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
     if write and temps is not None:
         raw[key] = [round(t, 5) for t in temps]
         cfg_path.write_text(json.dumps(raw, indent=2))
+    elif temps is not None:  # --no-write: say what would have been written, write nothing
+        verdict, temps = f"Not written (--no-write); the choice: {verdict}", None
     rows = [[k + 1, b["ece"], a["ece"], b["auroc"] or float("nan"), a["auroc"] or float("nan"), b["brier"], a["brier"],
              a["observed"]] for k, (b, a) in enumerate(zip(cal.before, cal.after, strict=True))]
     md = (f"# STS calibration of `{drafter_dir}`\n\nTemperatures fitted on the full-block rounds of half the prompts; "

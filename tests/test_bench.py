@@ -209,6 +209,31 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
     assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 
+def test_online_trace_keeps_every_step_of_every_configuration(qwen3_dir, dspark_dir, tmp_path):
+    import json
+
+    from dspark.bench import steptrace
+
+    s = online.OnlineSettings(model=str(qwen3_dir), configs=f"none;{dspark_dir}:dspark", concurrency=(1, 2),
+                              requests_per_client=2, datasets=("gsm8k",), num_prompts=2, max_tokens=8,
+                              ignore_eos=True, profile="off", device="cpu", lockstep=True, trace=True)
+    online.run(s, tmp_path)
+    rows = stamped(tmp_path / "online.json")["rows"]
+    assert all("trace" not in r for r in rows)  # the steps go to their own file, not the report's rows
+    steps = [json.loads(line) for line in (tmp_path / "online-steps.jsonl").read_text().splitlines()]
+    for r in rows:
+        mine = [t for t in steps if (t["config"], t["concurrency"]) == (r["config"], r["concurrency"])]
+        assert len(mine) == r["steps"] and sum(t["emitted"] for t in mine) == r["completion_tokens"]
+        assert all(t["seconds"] > 0 and t["requests"] >= 1 for t in mine)
+    kinds = {(t["config"], steptrace.kind(t)) for t in steps}
+    assert {k for c, k in kinds if c == "none"} <= {"plain", "prefill"}
+    assert ("dspark-random:dspark", "drafted") in kinds  # profile off: no gate, every decode step drafts
+    md = (tmp_path / "online.md").read_text()
+    assert "Steps by load" in md and "| dspark-random:dspark | 2 | drafted |" in md
+    with pytest.raises(ValueError, match="--trace"):
+        online.run(online.OnlineSettings(url="http://127.0.0.1:9", trace=True), "/nonexistent")
+
+
 def test_online_writes_each_finished_level_before_the_run_ends(qwen3_dir, tmp_path, monkeypatch):
     """A long run that is stopped keeps the levels it finished: after each level but the last the
     report is rewritten, marked incomplete; the final write is complete."""

@@ -90,6 +90,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--profile", choices=["auto", "refresh", "off"], default="auto")
     n.add_argument("--sla", type=_floats, default=None, help="per-user tok/s levels for the summary")
     n.add_argument("--url", default=None, help="comma-separated running servers to load instead")
+    n.add_argument("--trace", action="store_true",
+                   help="keep every engine step (online-steps.jsonl) and add a table of steps by kind and load")
     n.set_defaults(func=run_online)
 
     q = sub.add_parser("peers", help="single stream vs transformers generate() (greedy, prompt lookup)")
@@ -175,7 +177,7 @@ def run_online(args: argparse.Namespace) -> int:
                          duration_s="duration", repeats="repeats", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", url="url"))
     fields.update(workload=args.workload, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-                  profile=args.profile, lockstep=args.lockstep)
+                  profile=args.profile, lockstep=args.lockstep, trace=args.trace)
     for field, arg in (("concurrency", "concurrency"), ("datasets", "datasets"), ("slas", "sla")):
         if getattr(args, arg) is not None:
             fields[field] = tuple(getattr(args, arg))

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.bench import steptrace
 from dspark.bench.workload import Job, follow
 
 
@@ -43,6 +44,7 @@ class LoopResult:
     peak_rss_bytes: int | None = None
     rss_scope: str = "run"  # "run": high-water mark reset at the start; "process": lifetime peak
     peak_gpu_bytes: int | None = None
+    trace: list[dict] | None = None  # every engine step (`steptrace.record`), when the loop keeps them
 
 
 def reset_peak_rss() -> str:
@@ -92,7 +94,7 @@ class ClosedLoop:
 
     def __init__(self, engine, jobs: Sequence[Job], concurrency: int, params: Callable[[int], object],
                  per_client: int | None = None, duration_s: float | None = None,
-                 on_finish: Callable[[], None] | None = None) -> None:
+                 on_finish: Callable[[], None] | None = None, trace: bool = False) -> None:
         if (per_client is None) == (duration_s is None):
             raise ValueError("give exactly one of per_client and duration_s")
         if concurrency < 1 or not jobs:
@@ -100,7 +102,7 @@ class ClosedLoop:
         self.engine, self.jobs, self.concurrency, self.params = engine, jobs, concurrency, params
         self.per_client, self.duration_s, self.on_finish = per_client, duration_s, on_finish
         self.clock = VirtualClock()
-        self.result = LoopResult()
+        self.result = LoopResult(trace=[] if trace else None)
         self.live: dict[str, tuple[int, Job]] = {}
         self.sent = [0] * concurrency
         self.counter = 0
@@ -151,7 +153,11 @@ class ClosedLoop:
 
     def _step(self) -> None:
         engine, res = self.engine, self.result
-        touched = engine.step().progressed
+        start = time.perf_counter()
+        step = engine.step()
+        if res.trace is not None and step.ran:
+            res.trace.append(steptrace.record(step, time.perf_counter() - start))
+        touched = step.progressed
         res.steps += 1
         res.peak_kv_blocks = max(res.peak_kv_blocks, engine.kv.pool.num_used_blocks)
         if engine.drafter is not None:

@@ -9,6 +9,7 @@ throughput-interactivity frontier (Fig. 7) and the verification budget under loa
     dspark bench online --url http://127.0.0.1:8000,http://127.0.0.1:8001  # running servers
     dspark bench online --quick                                              # ~1 minute smoke run
     dspark bench online --workload agent --configs "ngram:dspark;suffix:dspark;auto:dspark" --num-prompts 8
+    dspark bench online --lockstep --trace --configs "none;dspark:dspark" --concurrency 16  # steps by load
 
 A configuration is `none` or `drafter:policy`; each is one engine in this process, loaded by
 engine/factory.py and warmed up; then, at every C in turn, each engine is driven by C
@@ -21,18 +22,20 @@ always rejected) and `agent` (multi-turn agent traces, --num-prompts of them, ag
 report adds τ, per-user tok/s and the drafter that carried each task kind). With `--url` every URL is one configuration (its /v1/models card names
 drafter and policy) and the load goes over HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
 run: online-hostile.json, ...), with ratios against `none` (or the first configuration)
-measured in the same run.
+measured in the same run. `--trace` also keeps every engine step (online-steps.jsonl) and adds a
+table of steps by kind and requests per step (steptrace.py).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dspark import report
-from dspark.bench import frontier, plots
+from dspark.bench import frontier, plots, steptrace
 from dspark.bench.loop import ClosedLoop, LoopResult, closed_loop, run_loops
 from dspark.bench.prompts import DATASETS
 from dspark.bench.summary import latency, speculation
@@ -78,6 +81,7 @@ class OnlineSettings:
     url: str | None = None  # comma-separated server URLs: benchmark those instead
     slas: tuple[float, ...] | None = None  # per-user tok/s levels (default: the reference's points)
     device: str | None = None
+    trace: bool = False  # keep every engine step: online-steps.jsonl and a table by load (`steptrace`)
 
 
 def quick_configs(model: str | None) -> str:
@@ -149,7 +153,7 @@ def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs:
         before.append((engine.num_drafted_steps, engine.num_steps))
         bar = tqdm(total=(per_client(s) or 0) * c or None, desc=f"{sp.label} C={c}", leave=False, disable=None)
         bars.append(bar)
-        loops.append(ClosedLoop(engine, jobs, c, params, per_client(s), s.duration_s, bar.update))
+        loops.append(ClosedLoop(engine, jobs, c, params, per_client(s), s.duration_s, bar.update, s.trace))
     results = run_loops(loops)
     rows = []
     for (sp, engine), res, (drafted0, steps0), bar in zip(entries, results, before, bars, strict=True):
@@ -165,6 +169,8 @@ def measure(s: OnlineSettings, entries: list[tuple[Spec, object]], c: int, jobs:
             from dspark.bench import agent
 
             rows[-1]["phases"] = agent.phases(res.outputs, config=sp.label, concurrency=c)
+        if res.trace is not None:
+            rows[-1]["trace"] = [{"config": sp.label, "concurrency": c, **rec} for rec in res.trace]
     return rows
 
 
@@ -181,7 +187,7 @@ def merge_runs(runs: list[dict]) -> dict:
         values = [r[key] for r in runs]
         if key in COUNTS:
             row[key] = sum(values)
-        elif key == "phases":  # one line per run and task kind
+        elif key in ("phases", "trace"):  # one line per run and task kind, or per step
             row[key] = [p for v in values for p in v]
         elif key.startswith("peak_") and all(v is not None for v in values):
             row[key] = max(values)
@@ -280,6 +286,8 @@ def run(s: OnlineSettings, out: str | Path) -> dict:
 
     if s.lockstep and s.url:
         raise ValueError("--lockstep steps in-process engines; it cannot pace servers given with --url")
+    if s.trace and s.url:
+        raise ValueError("--trace keeps the steps of in-process engines; it cannot see inside --url servers")
     if s.workload == "agent" and s.url:
         raise ValueError("the agent workload's later turns follow in-process requests; it cannot drive --url servers")
     path = resolve_model_path(s.model)
@@ -306,7 +314,8 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
         plots.frontier(rows, out / f"frontier{suffix}.png", f"{model_label(path)}, {s.workload} workload")
         plots.budget(rows, out / f"budget{suffix}.png")
     phases = [p for r in rows for p in r.get("phases", [])]
-    rows = [{k: v for k, v in r.items() if k != "phases"} for r in rows]
+    steps = [t for r in rows for t in r.get("trace", [])]
+    rows = [{k: v for k, v in r.items() if k not in ("phases", "trace")} for r in rows]
     payload = {"benchmark": "online", "model": str(path), "settings": asdict(s), "complete": complete,
                "reference": reference, "skipped_configs": skipped, "rows": rows, "ratios": ratios,
                "frontier": summary, **({"phases": phases} if s.workload == "agent" else {})}
@@ -316,6 +325,11 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
 
         md += ("\n## Per task kind (agent traces; τ and per-user tok/s of that kind's turns, and the share of "
                "accepted draft tokens each drafter proposed)\n\n" + agent.markdown(phases, ["config", "concurrency"]))
+    if steps:
+        (out / f"online{suffix}-steps.jsonl").write_text("".join(json.dumps(t) + "\n" for t in steps))
+        md += ("\n## Steps by load (`--trace`; every step in `online" + suffix + "-steps.jsonl`)\n\nEach configuration's "
+               "engine steps grouped by kind (plain; drafted for every request; partial: for some, e.g. a probe; "
+               "prefill: chunks shared the forward) and requests per step.\n\n" + steptrace.markdown(steptrace.summarize(steps)))
     if not complete:
         md = "**Partial: the run was still going (or was stopped) after these levels.**\n\n" + md
     report.write(out, f"online{suffix}", payload, md)

@@ -128,9 +128,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if prof is None:
         print("no step profile: this engine weighs no costs (name a drafter and a cost-weighing policy)")
         return 2
+    from dspark.engine.profiler import load_cached
+
+    prof = load_cached(prof.key) or prof  # as measured: its row shapes too, whether or not the gate prices by them
     print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
         print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")
+    for r, extra, secs in zip(prof.rows, prof.row_extra, prof.row_s, strict=True):
+        shapes = "  ".join(f"+{x}: {t * 1000:.2f} ms" for x, t in zip(extra, secs, strict=True))
+        print(f"  rows R={r:5d}  tokens beyond one per row {shapes}")
     shallow = prof.shallow_s or [None] * len(prof.requests)
     sampled = prof.sampled_s or [None] * len(prof.requests)
     for r, t, one, hot in zip(prof.requests, prof.draft_s, shallow, sampled, strict=True):

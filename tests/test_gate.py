@@ -539,3 +539,45 @@ def test_gate_options_reach_the_engine_from_llm_and_the_command_line(qwen3_dir, 
     assert "gate option 'selekt=1'" in capsys.readouterr().err
     assert main(["generate", "--model", str(qwen3_dir), "--device", "cpu", "--drafter", "ngram", "--policy", "dspark",
                  "--gate", "probe_every=2", "--max-tokens", "2", "hi"]) == 0
+
+
+def row_profile(rows: bool = True) -> StepProfile:
+    """A target whose forward in (gamma+1)-token rows looks nearly free to verify more tokens, while in the
+    engine's own row shapes one verify row beside fifteen one-token rows costs 50% more than the plain step
+    (the second attention grid) and each further draft token 0.5 ms; at one request verifying is nearly free."""
+    table = dict(rows=[1, 16], row_extra=[[0, 1, GAMMA], [0, 1, 8 * GAMMA, 16 * GAMMA]],
+                 row_s=[[0.0100, 0.0101, 0.0104], [0.0200, 0.0300, 0.0300 + 0.0005 * (8 * GAMMA - 1),
+                                                   0.0300 + 0.0005 * (16 * GAMMA - 1)]]) if rows else {}
+    return StepProfile("test", tokens=[1, 16, 80], verify_s=[0.0100, 0.0200, 0.0210], requests=[1, 16],
+                       draft_s=[0.001, 0.002], **table)
+
+
+def test_a_profile_in_row_shapes_prices_a_forward_by_its_rows():
+    prof = row_profile()
+    assert prof.raw(16, 16) == pytest.approx(0.020) and prof.raw(17, 16) == pytest.approx(0.030)
+    assert prof.raw(16 + 23, 16) == pytest.approx(0.030 + 0.0005 * 22)
+    assert prof.raw(1, 1) == pytest.approx(0.010) and prof.raw(1 + GAMMA, 1) == pytest.approx(0.0104)
+    # between timed row counts: the two interpolated alike at the same extra tokens
+    assert prof.raw(9, 8) == pytest.approx(0.0101 + (0.030 - 0.0101) * 7 / 15)
+    assert prof.raw(40) == pytest.approx(0.0200 + 0.0010 * 24 / 64)  # rows unknown: the token curve
+    assert row_profile(rows=False).raw(17, 16) == prof.raw(17)
+    # a drafted step pays the verify row's grid whatever it verifies, as it pays its proposal
+    assert prof.cost(16, 16, rows=16) == pytest.approx(0.002 + 0.030)
+    assert prof.cost(0, 16, rows=16) == pytest.approx(0.020)
+    prof.observe_forward(17, 0.060, rows=16)  # twice the profiled forward: the machine is twice as slow
+    assert prof.verify_scale == pytest.approx(1.05)
+
+
+def test_the_gate_closes_at_sixteen_requests_when_the_row_shapes_say_drafting_loses():
+    for rows, opens in ((True, False), (False, True)):
+        gate = Gate(GateConfig(optimism=0.0), half_accepted(), row_profile(rows))
+        assert gate.should_draft(16, [GAMMA] * 16) is opens
+    assert Gate(GateConfig(optimism=0.0), half_accepted(), row_profile()).should_draft(1, [GAMMA])
+
+
+def test_row_shapes_time_a_plain_step_one_verify_row_half_and_all():
+    from dspark.engine.profiler import row_shapes
+
+    assert row_shapes(1, 7, 1024) == [[1], [2], [8]]
+    assert row_shapes(4, 7, 1024) == [[1, 1, 1, 1], [2, 1, 1, 1], [8, 8, 1, 1], [8, 8, 8, 8]]
+    assert row_shapes(64, 7, 256) == [[1] * 64, [2] + [1] * 63]  # half and all exceed the token budget

@@ -60,11 +60,12 @@ def route(copy: Sequence[float], neural: Sequence[float], profile: StepProfile |
         return sorted(order)
     tokens = len(copy) + sum(copy)
     batch = len(copy) + other + sum(copy)
-    best, best_k = tokens / profile.cost(0, round(batch), sampled=sampled), 0
+    rows = len(copy) + (1 if other else 0)  # the decoding requests' rows, and the prefill's (one, at least)
+    best, best_k = tokens / profile.cost(0, round(batch), sampled=sampled, rows=rows), 0
     for k, r in enumerate(order, 1):
         gain = neural[r] - copy[r]
         tokens, batch = tokens + gain, batch + gain
-        theta = tokens / profile.cost(k, round(batch), sampled=sampled)
+        theta = tokens / profile.cost(k, round(batch), sampled=sampled, rows=rows)
         if theta > best:  # every prefix is weighed (no early stop: nothing here was sampled this step), so
             best, best_k = theta, k  # a fixed cost of starting the neural drafter can pay off over many requests
     return sorted(order[:best_k])
@@ -211,7 +212,7 @@ class RoutedDrafter(Drafter):
         for one request costs at most `probe_budget` of the plain steps between them (from the profile)."""
         if self.profile is None or not self.probe_budget:
             return 1
-        return math.ceil(self.profile.draft(1) / (self.probe_budget * self.profile.verify(num_requests)))
+        return math.ceil(self.profile.draft(1) / (self.probe_budget * self.profile.verify(num_requests, num_requests)))
 
     @property
     def kappa(self) -> float:

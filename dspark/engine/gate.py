@@ -82,6 +82,11 @@ class GateConfig:
     select: bool = False  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none
+    rows: bool = False  # price forwards in the engine's row shapes (`StepProfile.raw`), the gate's verdict and the
+    # policy's budget alike; off: by their tokens alone, in (gamma+1)-token rows. On dspark-small, side by side
+    # (docs/results/online/rows/): at 4 requests it drafted more and ran 3% (mixed) and 16% (hostile) faster, level
+    # at one and at 64, 1-2% behind at 16, and 10% behind on agent traces at 16 under `auto` (it verified fewer of
+    # the copy drafter's tokens): not yet the default
     depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
@@ -187,8 +192,8 @@ class Gate:
         what probes were measured to cost where that is more (`observe_probe`)."""
         assert self.profile is not None
         k = min(self.cfg.probe_requests, num_requests)
-        plain = self.profile.verify(num_requests)
-        priced = max(0.0, (self.profile.cost(k, num_requests + k) - plain) / plain)  # a probe verifies >= 1 token each
+        plain = self.profile.verify(num_requests, num_requests)
+        priced = max(0.0, (self.profile.cost(k, num_requests + k, rows=num_requests) - plain) / plain)  # >= 1 token each
         return priced if self.probe_extra is None else max(priced, self.probe_extra)
 
     def observe_probe(self, num_requests: int, seconds: float) -> None:
@@ -200,7 +205,7 @@ class Gate:
         folded in, and the wait for the next probe stretches to what it allows (`shortest_interval`)."""
         if self.profile is None or num_requests < 1:
             return
-        extra = max(0.0, seconds / self.profile.verify(num_requests) - 1.0)
+        extra = max(0.0, seconds / self.profile.verify(num_requests, num_requests) - 1.0)
         self.probe_extra = extra if self.probe_extra is None else 0.5 * (self.probe_extra + extra)
         self.interval = min(self.longest_interval(num_requests), max(self.interval, self.shortest_interval(num_requests)))
 
@@ -293,7 +298,7 @@ class Gate:
         cands = candidates(self.estimates(num_requests, own), caps)
         rank = ranks(cands, num_requests) if self.cfg.select else [0] * num_requests
         sizes = ladder(num_requests) if self.cfg.select else [num_requests]
-        plain = num_requests / self.profile.verify(num_requests)
+        plain = num_requests / self.profile.verify(num_requests, num_requests)
         verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
         best_at: dict[int, tuple[float, int]] = {}  # depth -> (rate, m) of its best subset size
         for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest]):
@@ -317,7 +322,7 @@ class Gate:
         The costly drafter runs for draft_share of the drafted requests (a router); verify(b) is memoised in
         `verified`."""
         assert self.profile is not None
-        cost = self.profile.pricer(drafted * self.draft_share, depth, self.sampled, verified)
+        cost = self.profile.pricer(drafted * self.draft_share, depth, self.sampled, verified, rows=num_requests)
         walked: list[Candidate] = []  # read lazily: the walk stops at its first loss, long before the end
         admitted = algorithm1((walked.append(c) or c for c in cands), drafted, 0, cost, num_requests - drafted)
         gain = sum(c.survival for c in walked[:admitted])

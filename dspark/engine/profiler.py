@@ -2,7 +2,9 @@
 
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
-step); drafter proposals are timed for R requests, at full depth and, for a drafter that
+step), and, on the request grid, in the row shapes the engine's steps have (`row_shapes`: R one-token rows,
+one of them verifying, half of them verifying a block, all of them), which price a step whose rows are
+known (`StepProfile.raw`); drafter proposals are timed for R requests, at full depth and, for a drafter that
 cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
 drafter's draft vocabulary; one that drafts batches that sample over every token
 (`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are priced by the
@@ -40,7 +42,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "vocab-per-batch-2"  # changed whenever what a profile measures changes (its grids, or the engine's step
+REVISION = "row-shapes-1"  # changed whenever what a profile measures changes (its grids, or the engine's step
 # costs, such as the cache layout): a profile cached by an older version is measured again
 
 
@@ -142,9 +144,13 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
     taps = drafter.taps
 
     def verify_time(b: int) -> float:
-        """One forward of b tokens (its requests' slots held only while it runs)."""
+        """One forward of b tokens in (gamma+1)-token rows."""
         r = min(math.ceil(b / (gamma + 1)), max(1, free // 2))  # requests that fit in the free pool
-        sizes = [b // r + (1 if i < b % r else 0) for i in range(r)]
+        return rows_time([b // r + (1 if i < b % r else 0) for i in range(r)])
+
+    def rows_time(sizes: list[int]) -> float:
+        """One forward of these rows (one request each; their slots held only while it runs)."""
+        r = len(sizes)
         c = max(1, min(ctx, (free // r) * bs - max(sizes)))  # context that still fits
         ids = [f"__profile{i}" for i in range(r)]
         _reserve(pool, ids, c + max(sizes))
@@ -164,12 +170,18 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     tokens = grid(budget)
     requests = grid(max_r)
+    shapes = {r: row_shapes(r, gamma, budget) for r in requests if r <= max(1, free // 2)}
     ids = [f"__profile{i}" for i in range(max_r)]
     dpool = getattr(drafter, "pool", None)
     c = ctx if dpool is None else max(1, min(ctx, (dpool.num_free_blocks // max_r) * dpool.block_size - gamma))
     inputs = [ProposeInput(sid, 1, c, [1] * (c + 1)) for sid in ids]
     with torch.inference_mode():
         verify_s = least([partial(verify_time, b) for b in tokens], repeats)
+        flat = least([partial(rows_time, sizes) for r in shapes for sizes in shapes[r]], repeats)
+        row_s, at = [], 0
+        for r in shapes:
+            row_s.append(flat[at:at + len(shapes[r])])
+            at += len(shapes[r])
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             cuts = drafter.cuts_exactly and gamma > 1
@@ -182,4 +194,19 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
             for sid in ids:
                 drafter.free(sid)
     return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s, gamma=gamma,
-                       shallow_s=shallow_s, sampled_s=sampled_s)
+                       shallow_s=shallow_s, sampled_s=sampled_s, rows=list(shapes),
+                       row_extra=[[sum(s) - r for s in shapes[r]] for r in shapes], row_s=row_s)
+
+
+def row_shapes(r: int, gamma: int, budget: int) -> list[list[int]]:
+    """The row sizes timed for r requests, one row each, as a drafted step lays them out: every row one token
+    (a plain step); one row verifying one draft token beside one-token rows (the second attention grid's
+    fixed cost); half the rows verifying a full block; every row verifying one. Those over the token budget,
+    or repeating an earlier one's size, are left out."""
+    half = (r + 1) // 2
+    shapes = [[1] * r, [2] + [1] * (r - 1), [gamma + 1] * half + [1] * (r - half), [gamma + 1] * r]
+    out: list[list[int]] = []
+    for sizes in shapes:
+        if sum(sizes) <= budget and all(sum(sizes) != sum(o) for o in out):
+            out.append(sizes)
+    return out

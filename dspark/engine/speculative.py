@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -36,19 +37,28 @@ class SpeculativeRunner:
 
     def __init__(self, base: ModelRunner, drafter: Drafter, policy: Policy, profile: StepProfile | None,
                  gate: GateConfig | None = None) -> None:
-        self.base, self.drafter, self.policy, self.profile = base, drafter, policy, profile
+        self.base, self.drafter, self.policy = base, drafter, policy
+        self.by_rows = (gate or GateConfig()).rows
+        self.profile = self.priced(profile)
         self.gamma = drafter.gamma
         self.stats = AcceptanceStats(self.gamma)
         self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate (keeps_records)
         use_gate = (gate or GateConfig()).enabled and policy.needs_cost
-        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, profile) if use_gate else None
+        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, self.profile) if use_gate else None
         self.device = base.device
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
-        drafter.set_profile(profile)
+        drafter.set_profile(self.profile)
+
+    def priced(self, profile: StepProfile | None) -> StepProfile | None:
+        """The profile this runner prices with: without its row shapes where the gate says `rows=0`."""
+        if profile is None or self.by_rows or not profile.rows:
+            return profile
+        return replace(profile, rows=[], row_extra=[], row_s=[])
 
     def set_profile(self, profile: StepProfile) -> None:
+        profile = self.priced(profile)
         self.profile = profile
         self.drafter.set_profile(profile)
         if self.gate is not None:
@@ -103,7 +113,7 @@ class SpeculativeRunner:
             proposed = time.perf_counter()
             # catch_up: the context committed since the drafter last drafted for these requests
             result.times["catch_up"], result.times["draft"] = caught_up - t0, proposed - caught_up
-            lengths = self._choose(block, caps, other_tokens, depth, sampled, decoding - len(decode))
+            lengths = self._choose(block, caps, other_tokens, depth, sampled, decoding - len(decode), len(scheduled))
         t1 = time.perf_counter()
         result.times["schedule"] = t1 - t0 - sum(result.times.values())
         drafts = block.tokens.tolist() if block is not None else []  # one host copy for every request
@@ -122,7 +132,7 @@ class SpeculativeRunner:
         if decode and self.gate is not None and block is not None and block.num_drafted is not None:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
-        self._observe(drafted, batch.num_tokens, result, drafting, depth, sampled)
+        self._observe(drafted, batch.num_tokens, result, drafting, depth, sampled, len(rows))
         if drafting and self.gate is not None and self.gate.probing and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
         return result
@@ -144,16 +154,16 @@ class SpeculativeRunner:
         return self.drafter.propose(inputs, sampling_rows(reqs, [1] * len(reqs), self.device), depth)
 
     def _choose(self, block: DraftBlock, caps: list[int], other_tokens: int, depth: int | None,
-                sampled: bool = False, plain_rows: int = 0) -> list[int]:
+                sampled: bool = False, plain_rows: int = 0, rows: int | None = None) -> list[int]:
         if block.num_valid is not None:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
         if conf is None:
             conf = torch.tensor([self.stats.conditional()] * len(caps))
         profile, drafted = self.profile, block.num_drafted
-        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, sampled)  # noqa: E731
+        cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, sampled, rows)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
-            cost = lambda r, b: profile.cost(drafted, b, depth, sampled)  # noqa: E731
+            cost = lambda r, b: profile.cost(drafted, b, depth, sampled, rows)  # noqa: E731
         lengths = self.policy.choose(conf.float().cpu(), caps, other_tokens, cost, plain_rows)
         if self.gate is not None and self.gate.probing:  # a probe verifies at least one token
             lengths = [max(ell, min(1, c)) for ell, c in zip(lengths, caps, strict=True)]
@@ -223,7 +233,7 @@ class SpeculativeRunner:
             self.pending.add(s.request.request_id, s.request.num_computed, keep, feat)
 
     def _observe(self, num_decode: int, num_tokens: int, result: StepResult, drafted: bool,
-                 depth: int | None = None, sampled: bool = False) -> None:
+                 depth: int | None = None, sampled: bool = False, rows: int | None = None) -> None:
         self.steps += 1
         self.drafted_steps += int(drafted)
         if self.profile is None:
@@ -236,7 +246,7 @@ class SpeculativeRunner:
         # its kernels are queued and the step waits for them later, so only the whole step is timed there
         forward = result.times.get("verify") if self.device.type == "cpu" else None
         if drafted:
-            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward, sampled)
+            self.profile.observe_drafted(num_decode, num_tokens, seconds, depth, forward, sampled, rows)
         else:
-            self.profile.observe_plain(num_tokens, seconds, forward)
+            self.profile.observe_plain(num_tokens, seconds, forward, rows)
 

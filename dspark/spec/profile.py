@@ -69,6 +69,9 @@ class StepProfile:
     sampled_s: list[float] = field(default_factory=list)  # seconds per full proposal for R requests in a batch
     #   that samples, where such a batch drafts over more tokens than a greedy one (`NeuralDrafter.select_vocab`;
     #   empty: the same as draft_s)
+    rows: list[int] = field(default_factory=list)  # grid of R for forwards timed in the engine's own row shapes
+    row_extra: list[list[int]] = field(default_factory=list)  # per R: tokens beyond one per row of each timed forward
+    row_s: list[list[float]] = field(default_factory=list)  # per R: its seconds (empty: `tokens` alone prices forwards)
     smoothing: float = 0.05
     verify_scale: float = 1.0  # measured / profiled seconds of target forwards, smoothed: the machine's speed
     plain_scale: float = 1.0  # whole plain steps / their forward's prediction, smoothed, on top of verify_scale
@@ -81,18 +84,34 @@ class StepProfile:
         self.verify_s, self.draft_s = nondecreasing(self.verify_s), nondecreasing(self.draft_s)
         self.shallow_s = [min(a, b) for a, b in zip(nondecreasing(self.shallow_s), self.draft_s, strict=False)]
         self.sampled_s = [max(a, b) for a, b in zip(nondecreasing(self.sampled_s), self.draft_s, strict=False)]
+        self.row_s = [nondecreasing(ys) for ys in self.row_s]
 
     @property
     def cuts(self) -> bool:
         """Whether a shallower proposal is known to cost less (the gate may pick the depth)."""
         return bool(self.shallow_s) and self.gamma > 1
 
-    def verify(self, b: int) -> float:
-        """Seconds of a plain step of b tokens: the forward, on this machine now, and the step's host work."""
-        return self.forward(b) * self.plain_scale
+    def verify(self, b: int, rows: int | None = None) -> float:
+        """Seconds of a plain step of b tokens in `rows` rows (None: not known): the forward, on this machine now,
+        and the step's host work."""
+        return self.forward(b, rows) * self.plain_scale
 
-    def forward(self, b: int) -> float:
-        return interp(self.tokens, self.verify_s, b) * self.verify_scale
+    def forward(self, b: int, rows: int | None = None) -> float:
+        return self.raw(b, rows) * self.verify_scale
+
+    def raw(self, b: int, rows: int | None = None) -> float:
+        """Profiled seconds of a target forward of b tokens. Given its rows (one per request, a prefill chunk one
+        more) and a profile timed in row shapes, the forward of b - rows tokens beyond one per row, interpolated
+        between the two timed row counts around it; else the forward of b tokens in (gamma+1)-token rows. At
+        sixteen requests on dspark-small a forward of about 30 tokens in 12-16 rows, some verifying drafts beside
+        one-token rows, took 33-37 ms where 30 tokens in four 8-token rows take 22 (`dspark bench online
+        --trace`, docs/results/online/trace/): attention pads one grid for one-token rows and another for
+        verify rows, and both grids grow with the rows."""
+        if rows is None or not self.rows:
+            return interp(self.tokens, self.verify_s, b)
+        extra = max(0, b - rows)
+        at = [interp(xs, ys, extra) for xs, ys in zip(self.row_extra, self.row_s, strict=True)]
+        return interp(self.rows, at, rows)
 
     def draft(self, r: float, depth: int | None = None, sampled: bool = False) -> float:
         """Seconds of a proposal of depth positions (None: gamma) for r requests, linear in the depth
@@ -111,46 +130,50 @@ class StepProfile:
             full = one + (full - one) * (positions - 1) / (self.gamma - 1)
         return (full + extra * positions / self.gamma) * self.verify_scale
 
-    def cost(self, r: float, b: int, depth: int | None = None, sampled: bool = False) -> float:
+    def cost(self, r: float, b: int, depth: int | None = None, sampled: bool = False, rows: int | None = None) -> float:
         """Seconds of a speculative step: draft depth positions for r requests (a batch that samples, or
-        not), verify b tokens, accept."""
-        return self.pricer(r, depth, sampled)(r, b)
+        not), verify b tokens in `rows` rows (None: not known), accept."""
+        return self.pricer(r, depth, sampled, rows=rows)(r, b)
 
     def pricer(self, r: float, depth: int | None = None, sampled: bool = False,
-               verified: dict[int, float] | None = None) -> Callable[[int, int], float]:
+               verified: dict[int, float] | None = None, rows: int | None = None) -> Callable[[int, int], float]:
         """`cost` for one r, for a walk that prices many budgets (Algorithm 1): the proposal priced once,
-        each verify(b) looked up in `verified`, filled as it goes (share it between walks)."""
+        each verify(b) looked up in `verified`, filled as it goes (share it between walks; one `rows` per
+        dict). Where the drafter runs (r > 0) and the rows are known, the forward is priced with at least one
+        verify row: like the proposal, the second attention grid is a fixed cost of drafting, so the walk
+        weighs each draft token at its own marginal cost and its early stop still holds."""
         draft, seen = self.draft(r, depth, sampled), {} if verified is None else verified
+        least = 0 if rows is None or r <= 0 else rows + 1
 
         def cost(_r: float, b: int) -> float:
             v = seen.get(b)
             if v is None:
-                v = seen[b] = self.verify(b)
+                v = seen[b] = self.verify(max(b, least), rows)
             return (draft + v) * self.spec_scale
         return cost
 
     def sps(self, b: int) -> float:
         return 1.0 / self.verify(b)
 
-    def observe_plain(self, b: int, seconds: float, forward: float | None = None) -> None:
-        """A whole plain step of b tokens took these seconds, its target forward `forward` of them."""
-        self.observe_forward(b, seconds if forward is None else forward)
+    def observe_plain(self, b: int, seconds: float, forward: float | None = None, rows: int | None = None) -> None:
+        """A whole plain step of b tokens in `rows` rows took these seconds, its target forward `forward` of them."""
+        self.observe_forward(b, seconds if forward is None else forward, rows)
         if forward is not None:
-            self.plain_scale = self._smoothed(self.plain_scale, self.forward(b), seconds)
+            self.plain_scale = self._smoothed(self.plain_scale, self.forward(b, rows), seconds)
 
     def observe_drafted(self, r: int, b: int, seconds: float, depth: int | None = None,
-                        forward: float | None = None, sampled: bool = False) -> None:
-        """A whole drafted step (proposal of depth positions for r requests, b forward tokens; a batch that
-        samples, or not) took these seconds, its target forward `forward` of them (None: not timed apart;
-        the machine scale stays)."""
+                        forward: float | None = None, sampled: bool = False, rows: int | None = None) -> None:
+        """A whole drafted step (proposal of depth positions for r requests, b forward tokens in `rows` rows; a
+        batch that samples, or not) took these seconds, its target forward `forward` of them (None: not timed
+        apart; the machine scale stays)."""
         if forward is not None:
-            self.observe_forward(b, forward)
-        predicted = self.draft(r, depth, sampled) + self.verify(b)
+            self.observe_forward(b, forward, rows)
+        predicted = self.draft(r, depth, sampled) + self.verify(b, rows)
         self.spec_scale = self._smoothed(self.spec_scale, predicted, seconds, clip=2.0)
 
-    def observe_forward(self, b: int, seconds: float) -> None:
-        """A target forward of b tokens took these seconds: the machine's speed."""
-        self.verify_scale = self._smoothed(self.verify_scale, interp(self.tokens, self.verify_s, b), seconds)
+    def observe_forward(self, b: int, seconds: float, rows: int | None = None) -> None:
+        """A target forward of b tokens in `rows` rows took these seconds: the machine's speed."""
+        self.verify_scale = self._smoothed(self.verify_scale, self.raw(b, rows), seconds)
 
     def _smoothed(self, scale: float, profiled: float, seconds: float, clip: float = 10.0) -> float:
         """One step's measured / profiled ratio, clipped to [1/clip, clip], folded into the scale. The

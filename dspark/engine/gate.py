@@ -83,10 +83,10 @@ class GateConfig:
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none
     rows: bool = False  # price forwards in the engine's row shapes (`StepProfile.raw`), the gate's verdict and the
-    # policy's budget alike; off: by their tokens alone, in (gamma+1)-token rows. On dspark-small, side by side
-    # (docs/results/online/rows/): at 4 requests it drafted more and ran 3% (mixed) and 16% (hostile) faster, level
-    # at one and at 64, 1-2% behind at 16, and 10% behind on agent traces at 16 under `auto` (it verified fewer of
-    # the copy drafter's tokens): not yet the default
+    # policy's budget alike; off: by their tokens alone, in (gamma+1)-token rows. On dspark-small, side by side with
+    # it off (docs/results/online/rows/): level at one request, within 5% either way at 4, 16 and 64 (mixed and
+    # hostile), and 9% behind on agent traces at 16 under `auto`, where it verified fewer of the copy drafter's
+    # tokens: not the default
     depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with

@@ -103,10 +103,10 @@ class StepProfile:
         """Profiled seconds of a target forward of b tokens. Given its rows (one per request, a prefill chunk one
         more) and a profile timed in row shapes, the forward of b - rows tokens beyond one per row, interpolated
         between the two timed row counts around it; else the forward of b tokens in (gamma+1)-token rows. At
-        sixteen requests on dspark-small a forward of about 30 tokens in 12-16 rows, some verifying drafts beside
-        one-token rows, took 33-37 ms where 30 tokens in four 8-token rows take 22 (`dspark bench online
-        --trace`, docs/results/online/trace/): attention pads one grid for one-token rows and another for
-        verify rows, and both grids grow with the rows."""
+        8-31 requests on dspark-small a drafted step's forward, rows verifying a few draft tokens beside
+        one-token rows, took 37-38 ms where a plain step's took 25 (`dspark bench online --trace`,
+        docs/results/online/trace/): attention pads one grid for one-token rows and another for verify rows,
+        and both grow with the rows."""
         if rows is None or not self.rows:
             return interp(self.tokens, self.verify_s, b)
         extra = max(0, b - rows)

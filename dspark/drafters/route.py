@@ -212,7 +212,7 @@ class RoutedDrafter(Drafter):
         for one request costs at most `probe_budget` of the plain steps between them (from the profile)."""
         if self.profile is None or not self.probe_budget:
             return 1
-        return math.ceil(self.profile.draft(1) / (self.probe_budget * self.profile.verify(num_requests, num_requests)))
+        return math.ceil(self.profile.draft(1) / (self.probe_budget * self.profile.plain(num_requests)))
 
     @property
     def kappa(self) -> float:

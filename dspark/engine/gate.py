@@ -192,7 +192,7 @@ class Gate:
         what probes were measured to cost where that is more (`observe_probe`)."""
         assert self.profile is not None
         k = min(self.cfg.probe_requests, num_requests)
-        plain = self.profile.verify(num_requests, num_requests)
+        plain = self.profile.plain(num_requests)
         priced = max(0.0, (self.profile.cost(k, num_requests + k, rows=num_requests) - plain) / plain)  # >= 1 token each
         return priced if self.probe_extra is None else max(priced, self.probe_extra)
 
@@ -205,7 +205,7 @@ class Gate:
         folded in, and the wait for the next probe stretches to what it allows (`shortest_interval`)."""
         if self.profile is None or num_requests < 1:
             return
-        extra = max(0.0, seconds / self.profile.verify(num_requests, num_requests) - 1.0)
+        extra = max(0.0, seconds / self.profile.plain(num_requests) - 1.0)
         self.probe_extra = extra if self.probe_extra is None else 0.5 * (self.probe_extra + extra)
         self.interval = min(self.longest_interval(num_requests), max(self.interval, self.shortest_interval(num_requests)))
 
@@ -298,7 +298,7 @@ class Gate:
         cands = candidates(self.estimates(num_requests, own), caps)
         rank = ranks(cands, num_requests) if self.cfg.select else [0] * num_requests
         sizes = ladder(num_requests) if self.cfg.select else [num_requests]
-        plain = num_requests / self.profile.verify(num_requests, num_requests)
+        plain = num_requests / self.profile.plain(num_requests)
         verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
         best_at: dict[int, tuple[float, int]] = {}  # depth -> (rate, m) of its best subset size
         for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest]):

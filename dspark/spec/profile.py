@@ -96,6 +96,10 @@ class StepProfile:
         and the step's host work."""
         return self.forward(b, rows) * self.plain_scale
 
+    def plain(self, requests: int) -> float:
+        """Seconds of a plain decoding step of this many requests: one one-token row each."""
+        return self.verify(requests, requests)
+
     def forward(self, b: int, rows: int | None = None) -> float:
         return self.raw(b, rows) * self.verify_scale
 

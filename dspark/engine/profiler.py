@@ -177,11 +177,8 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
     inputs = [ProposeInput(sid, 1, c, [1] * (c + 1)) for sid in ids]
     with torch.inference_mode():
         verify_s = least([partial(verify_time, b) for b in tokens], repeats)
-        flat = least([partial(rows_time, sizes) for r in shapes for sizes in shapes[r]], repeats)
-        row_s, at = [], 0
-        for r in shapes:
-            row_s.append(flat[at:at + len(shapes[r])])
-            at += len(shapes[r])
+        timed = iter(least([partial(rows_time, sizes) for r in shapes for sizes in shapes[r]], repeats))
+        row_s = [[next(timed) for _ in shapes[r]] for r in shapes]  # back into one list per row count
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             cuts = drafter.cuts_exactly and gamma > 1

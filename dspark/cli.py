@@ -128,9 +128,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if prof is None:
         print("no step profile: this engine weighs no costs (name a drafter and a cost-weighing policy)")
         return 2
-    from dspark.engine.profiler import load_cached
-
-    prof = load_cached(prof.key) or prof  # as measured: its row shapes too, whether or not the gate prices by them
     print(f"profile {prof.key}: target forward seconds by tokens B, drafter proposal seconds by requests R")
     for b, t in zip(prof.tokens, prof.verify_s, strict=True):
         print(f"  verify B={b:5d}  {t * 1000:8.2f} ms  SPS={1 / t:8.1f}")

@@ -114,7 +114,8 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     runner = engine.runner
     if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":
         name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
+        rows = (gate or GateConfig()).rows  # row shapes are timed only for an engine that prices by them
         key = profiler.profile_key(str(path), name, cfg.device, cfg.dtype, runner.gamma,
-                                   cfg.max_num_batched_tokens, cfg.max_num_seqs)
-        runner.set_profile(profiler.cached_or_measured(engine, runner, key, refresh=profile == "refresh"))
+                                   cfg.max_num_batched_tokens, cfg.max_num_seqs, rows)
+        runner.set_profile(profiler.cached_or_measured(engine, runner, key, refresh=profile == "refresh", rows=rows))
     return engine

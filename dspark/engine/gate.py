@@ -83,7 +83,8 @@ class GateConfig:
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none
     rows: bool = False  # price forwards in the engine's row shapes (`StepProfile.raw`), the gate's verdict and the
-    # policy's budget alike; off: by their tokens alone, in (gamma+1)-token rows. On dspark-small, side by side with
+    # policy's budget alike; off: by their tokens alone, in (gamma+1)-token rows. The engine's profile times the row
+    # shapes only when this is on (its own cache entry, `profiler.profile_key`). On dspark-small, side by side with
     # it off (docs/results/online/rows/): level at one request, within 5% either way at 4, 16 and 64 (mixed and
     # hostile), and 9% behind on agent traces at 16 under `auto`, where it verified fewer of the copy drafter's
     # tokens: not the default

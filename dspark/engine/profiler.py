@@ -2,9 +2,9 @@
 
 Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
 (gamma+1)-token rows at a representative context length (the shape of a speculative
-step), and, on the request grid, in the row shapes the engine's steps have (`row_shapes`: R one-token rows,
-one of them verifying, half of them verifying a block, all of them), which price a step whose rows are
-known (`StepProfile.raw`); drafter proposals are timed for R requests, at full depth and, for a drafter that
+step), and, for an engine that prices forwards by their rows (`GateConfig.rows`), on the request grid in the
+row shapes the engine's steps have (`row_shapes`: R one-token rows, one of them verifying, half of them
+verifying a block, all of them), which price a step whose rows are known (`StepProfile.raw`); drafter proposals are timed for R requests, at full depth and, for a drafter that
 cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
 drafter's draft vocabulary; one that drafts batches that sample over every token
 (`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are priced by the
@@ -42,7 +42,7 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "row-shapes-1"  # changed whenever what a profile measures changes (its grids, or the engine's step
+REVISION = "row-shapes-2"  # changed whenever what a profile measures changes (its grids, or the engine's step
 # costs, such as the cache layout): a profile cached by an older version is measured again
 
 
@@ -52,11 +52,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or "~/.cache/dspark/profiles").expanduser()
 
 
-def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int) -> str:
+def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int,
+                rows: bool = False) -> str:
     """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
-    request grid, so a profile measured for a one-request engine never serves a 64-request one)."""
+    request grid, so a profile measured for a one-request engine never serves a 64-request one; rows: whether it
+    times the row shapes, which only an engine pricing by them (`GateConfig.rows`) measures)."""
     raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}|{REVISION}")
+           f"{torch.__version__}|{REVISION}" + ("|rows" if rows else ""))
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -108,11 +110,12 @@ def save_cached(profile: StepProfile) -> Path:
     return path
 
 
-def cached_or_measured(engine, runner: SpeculativeRunner, key: str, refresh: bool = False) -> StepProfile:
-    """The cached profile under key, else (or when refresh) one measured now and cached."""
+def cached_or_measured(engine, runner: SpeculativeRunner, key: str, refresh: bool = False,
+                       rows: bool = False) -> StepProfile:
+    """The cached profile under key, else (or when refresh) one measured now and cached (rows: with row shapes)."""
     prof = None if refresh else load_cached(key)
     if prof is None:
-        prof = measure(engine, runner, key)
+        prof = measure(engine, runner, key, rows=rows)
         save_cached(prof)
     return prof
 
@@ -133,8 +136,10 @@ def synthetic_context(engine, runner: SpeculativeRunner, ids: list[str], length:
     return [ContextRow(sid, 0, [1] * length, feats) for sid in ids]
 
 
-def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256, repeats: int = 5) -> StepProfile:
-    """Time target forwards on the token grid and drafter proposals on the request grid."""
+def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256, repeats: int = 5,
+            rows: bool = False) -> StepProfile:
+    """Time target forwards on the token grid and drafter proposals on the request grid; with rows, target
+    forwards in the engine's row shapes on the request grid too (for an engine that prices by them)."""
     base, drafter = runner.base, runner.drafter.measured  # a router's profile times its neural part
     gamma, pool = drafter.gamma, engine.kv.pool
     free, bs = pool.num_free_blocks, pool.block_size
@@ -170,7 +175,7 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     tokens = grid(budget)
     requests = grid(max_r)
-    shapes = {r: row_shapes(r, gamma, budget) for r in requests if r <= max(1, free // 2)}
+    shapes = {r: row_shapes(r, gamma, budget) for r in requests if rows and r <= max(1, free // 2)}
     ids = [f"__profile{i}" for i in range(max_r)]
     dpool = getattr(drafter, "pool", None)
     c = ctx if dpool is None else max(1, min(ctx, (dpool.num_free_blocks // max_r) * dpool.block_size - gamma))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 import torch
 
@@ -38,8 +37,7 @@ class SpeculativeRunner:
     def __init__(self, base: ModelRunner, drafter: Drafter, policy: Policy, profile: StepProfile | None,
                  gate: GateConfig | None = None) -> None:
         self.base, self.drafter, self.policy = base, drafter, policy
-        self.by_rows = (gate or GateConfig()).rows
-        self.profile = self.priced(profile)
+        self.profile = profile
         self.gamma = drafter.gamma
         self.stats = AcceptanceStats(self.gamma)
         self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate (keeps_records)
@@ -51,14 +49,7 @@ class SpeculativeRunner:
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
         drafter.set_profile(self.profile)
 
-    def priced(self, profile: StepProfile | None) -> StepProfile | None:
-        """The profile this runner prices with: without its row shapes where the gate says `rows=0`."""
-        if profile is None or self.by_rows or not profile.rows:
-            return profile
-        return replace(profile, rows=[], row_extra=[], row_s=[])
-
     def set_profile(self, profile: StepProfile) -> None:
-        profile = self.priced(profile)
         self.profile = profile
         self.drafter.set_profile(profile)
         if self.gate is not None:

@@ -184,6 +184,9 @@ def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
+PAD_ROWS = 48  # default of `EngineConfig.pad_rows` (why this many: `models/attention.py`, `_buckets`)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine batches, caches and where it runs.
@@ -202,6 +205,8 @@ class EngineConfig:
     device: str = field(default_factory=default_device)
     dtype: str = ""
     seed: int = 0
+    pad_rows: int = PAD_ROWS  # a forward's one-token rows share its verify rows' attention grid while that pads them by at
+    # most this many query rows (`models/attention.py`); 0: only where no padding is needed
 
     def __post_init__(self) -> None:
         if not self.dtype:
@@ -209,6 +214,8 @@ class EngineConfig:
         resolve_dtype(self.dtype)
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.block_size < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and block_size must be positive")
+        if self.pad_rows < 0:
+            raise ValueError("pad_rows must be >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -65,3 +65,30 @@ def test_every_grid_element_follows_the_definition(seed):
     assert sorted(flat) == list(range(sum(query_lens)))  # every flat token in exactly one grid
     positions = [c - q + i for q, c in zip(query_lens, context_lens, strict=True) for i in range(q)]
     assert meta.positions.tolist() == positions
+
+
+def test_one_token_rows_share_the_verify_grid_while_their_padding_is_small():
+    from dspark.config import PAD_ROWS
+
+    def grids(decode: int, verify: list[int], pad_rows: int = PAD_ROWS) -> list[int]:
+        qlens = [1] * decode + verify
+        tables = [[3 * r, 3 * r + 1, 3 * r + 2] for r in range(len(qlens))]
+        meta = AttentionMetadata.build(qlens, [48] * len(qlens), tables, 16, "cpu", pad_rows=pad_rows)
+        return [g.query_index.shape[0] for g in meta.groups]
+
+    assert grids(PAD_ROWS // 7, [8]) == [PAD_ROWS // 7 + 1]  # padded to 8 queries: 7 rows each, within the bound
+    assert grids(PAD_ROWS // 7 + 1, [8]) == [PAD_ROWS // 7 + 1, 1]  # past it: their own grid, listed first
+    assert grids(PAD_ROWS, [2, 2]) == [PAD_ROWS + 2]  # one query row of padding each
+    assert grids(3, []) == [3] and grids(0, [8, 2]) == [2]
+    assert grids(2, [8, 40]) == [3, 1]  # a prefill chunk keeps its own grid
+    assert grids(1, [2], pad_rows=0) == [1, 1] and grids(1, [2], pad_rows=1) == [2]  # the engine's setting
+
+
+def test_the_engine_hands_its_padding_bound_to_every_forward(qwen3_dir):
+    from dspark.config import EngineConfig
+    from dspark.engine.factory import build_engine
+
+    engine = build_engine(str(qwen3_dir), None, "none", EngineConfig(device="cpu", pad_rows=0))
+    assert engine.runner.pad_rows == 0
+    with pytest.raises(ValueError, match="pad_rows"):
+        EngineConfig(device="cpu", pad_rows=-1)

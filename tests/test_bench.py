@@ -480,3 +480,15 @@ def test_offline_sweeps_only_the_drafters_named(qwen3_dir, dspark_dir, tmp_path)
                                 num_prompts=1, max_tokens=4, thresholds=(0.5,), device="cpu", sweep=())
     data = offline.run(s, tmp_path)
     assert data["threshold_sweep"] == [] and {r["drafter"] for r in data["rows"]} == {"dspark-random"}
+
+
+def test_a_configuration_sets_engine_options_beside_gate_options():
+    from dspark.bench.workload import parse_configs, split_options
+
+    assert split_options("select=1,pad_rows=0") == ("select=1", {"pad_rows": 0})
+    spec = parse_configs("dspark:dspark;dspark:dspark?pad_rows=0")[1]
+    assert spec.label == "dspark:dspark?pad_rows=0" and spec.options() == ("", {"pad_rows": 0})
+    with pytest.raises(ValueError, match="pad_rows=N"):
+        parse_configs("dspark:dspark?pad_rows=-1")
+    with pytest.raises(ValueError, match="gate option"):
+        parse_configs("dspark:dspark?padrows=1")

@@ -55,3 +55,25 @@ def test_a_lone_request_read_in_place_gets_what_a_gathered_one_gets(qwen3_dir, d
         _, alone = runner.target_forward([BatchRow("a", ids[41:49], 49, 8)])
         _, both = runner.target_forward([BatchRow("a", ids[41:49], 49, 8), BatchRow("b", ids[30:38], 38, 8)])
     assert torch.equal(alone.logits, both.logits[:8])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_one_token_row_padded_into_the_verify_grid_gets_what_its_own_grid_gives(qwen3_dir, dtype):
+    """One-token rows share the verify rows' grid while their padding is small (`PAD_ROWS`): their logits are
+    what they get in a grid of their own, exactly in bfloat16."""
+    engine = engine_for(qwen3_dir, dtype=dtype, num_kv_blocks=64)
+    runner, pool = engine.runner, engine.kv.pool
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, engine.model.config.vocab_size, (80,), generator=gen).tolist()
+    tol = 0.0 if dtype == "bfloat16" else 1e-4
+    with torch.inference_mode():
+        for sid, n in (("a", 37), ("b", 30)):
+            pool.append(sid, n + 8)
+            runner.target_forward([BatchRow(sid, ids[:n], n, 1)])
+        decode, verify = BatchRow("a", [ids[37]], 38, 1), BatchRow("b", ids[30:38], 38, 8)
+        shared = AttentionMetadata.build([1, 8], [38, 38], [pool.block_table("a"), pool.block_table("b")],
+                                         pool.block_size, "cpu")
+        assert len(shared.groups) == 1  # one grid: 1 x 7 padded query rows
+        _, alone = runner.target_forward([decode])
+        _, both = runner.target_forward([decode, verify])
+    assert (alone.logits[0] - both.logits[0]).abs().max().item() <= tol

@@ -237,8 +237,9 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
         drafter, vocab = split_drafter(sp.drafter) if sp.drafter else (None, 0)
-        engine = build_engine(path, drafter, sp.policy, cfg, gamma=gamma, profile=s.profile, loaded=loaded,
-                              draft_vocab=vocab, gate=GateConfig.parse(sp.gate))
+        gate, changes = sp.options()
+        engine = build_engine(path, drafter, sp.policy, cfg.replace(**changes), gamma=gamma, profile=s.profile,
+                              loaded=loaded, draft_vocab=vocab, gate=GateConfig.parse(gate))
         warm_up(engine, warm, s, params)
         engines[sp.label] = (sp, engine)
     rows = []

@@ -90,12 +90,16 @@ def hostile(tokenizer, n: int, length: int, seed: int = 0) -> list[Job]:
 @dataclass(frozen=True)
 class Spec:
     """A served configuration: `none`, or a drafter (name or directory) with a policy and, optionally,
-    gate options (`GateConfig.parse`: 'select=0,cut=1')."""
+    options: the gate's (`GateConfig.parse`: 'select=0,cut=1') and the engine's (`ENGINE_OPTIONS`)."""
 
     drafter: str | None
     policy: str
     copy: int = 1  # the n-th time the configuration is listed: an identical engine, a noise yardstick
-    gate: str = ""
+    gate: str = ""  # every option as written ('select=0,pad_rows=0'); `split_options` sorts them
+
+    def options(self) -> tuple[str, dict[str, int]]:
+        """(the gate's options as `GateConfig.parse` reads them, the engine config's changes)."""
+        return split_options(self.gate)
 
     @property
     def label(self) -> str:
@@ -118,11 +122,29 @@ def drafter_label(name: str) -> str:
     return Path(name).name if "/" in name else name
 
 
+ENGINE_OPTIONS = ("pad_rows",)  # `EngineConfig` fields a configuration may set beside its gate options
+
+
+def split_options(text: str) -> tuple[str, dict[str, int]]:
+    """'select=0,pad_rows=0' -> ('select=0', {'pad_rows': 0}): gate options, and engine config changes."""
+    gate, engine = [], {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, raw = item.partition("=")
+        if key not in ENGINE_OPTIONS:
+            gate.append(item)
+        elif not raw.isdigit():
+            raise ValueError(f"engine option {item!r}: expected {key}=N, N >= 0")
+        else:
+            engine[key] = int(raw)
+    return ",".join(gate), engine
+
+
 def parse_configs(text: str) -> list[Spec]:
     """'none;mtp:static:1;dspark:dspark' -> Specs (the drafter is everything before the first ':').
     A configuration listed again ('none;none;...') is a second, identical engine labelled
     'none#2': its ratio to the first is the run's own noise (an A/A comparison). A policy may end in
-    '?' and gate options ('dspark:dspark?select=0'), to compare gate settings side by side."""
+    '?' and options ('dspark:dspark?select=0', 'dspark:dspark?pad_rows=0'), to compare gate or engine settings
+    side by side."""
     from dspark.engine.gate import GateConfig
 
     out: list[Spec] = []
@@ -136,7 +158,7 @@ def parse_configs(text: str) -> list[Spec]:
             if not sep or not policy:
                 raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
         policy, _, gate = policy.partition("?")
-        GateConfig.parse(gate)  # a bad option fails here, before any engine is built
+        GateConfig.parse(split_options(gate)[0])  # a bad option fails here, before any engine is built
         copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy, sp.gate) == (drafter, policy, gate))
         out.append(Spec(drafter, policy, copy, gate))
     return out

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.config import PAD_ROWS
 from dspark.device import upload
 from dspark.kv_cache import BlockPool
 from dspark.models.attention import AttentionMetadata
@@ -38,7 +39,7 @@ class Batch:
     meta: AttentionMetadata
 
     @staticmethod
-    def build(rows: Sequence[BatchRow], pool: BlockPool, device: torch.device | str) -> Batch:
+    def build(rows: Sequence[BatchRow], pool: BlockPool, device: torch.device | str, pad_rows: int = PAD_ROWS) -> Batch:
         qlens = [len(r.tokens) for r in rows]
         offsets = [0]
         for q in qlens:
@@ -48,7 +49,8 @@ class Batch:
         for r in rows:
             cu_logits.append(cu_logits[-1] + r.num_logits)
         meta = AttentionMetadata.build(
-            qlens, [r.context_len for r in rows], [pool.block_table(r.seq_id) for r in rows], pool.block_size, device
+            qlens, [r.context_len for r in rows], [pool.block_table(r.seq_id) for r in rows], pool.block_size, device,
+            pad_rows=pad_rows,
         )
         return Batch(
             rows=tuple(rows),

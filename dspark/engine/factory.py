@@ -55,10 +55,10 @@ def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, draft
         kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
     chosen = make_policy(policy)
     fuse_projections(model)
-    runner: Runner = ModelRunner(model, kv)
+    runner: Runner = ModelRunner(model, kv, cfg.pad_rows)
     if drafter is not None and not isinstance(chosen, NoSpeculation):
         drafter.bind(model, kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)
-        runner = SpeculativeRunner(ModelRunner(model, kv), drafter, chosen, profile, gate)
+        runner = SpeculativeRunner(ModelRunner(model, kv, cfg.pad_rows), drafter, chosen, profile, gate)
     return LLMEngine(model, tokenizer, cfg, kv, runner)
 
 
@@ -116,6 +116,6 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
         name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
         rows = (gate or GateConfig()).rows  # row shapes are timed only for an engine that prices by them
         key = profiler.profile_key(str(path), name, cfg.device, cfg.dtype, runner.gamma,
-                                   cfg.max_num_batched_tokens, cfg.max_num_seqs, rows)
+                                   cfg.max_num_batched_tokens, cfg.max_num_seqs, rows, cfg.pad_rows)
         runner.set_profile(profiler.cached_or_measured(engine, runner, key, refresh=profile == "refresh", rows=rows))
     return engine

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.config import PAD_ROWS
 from dspark.drafters.base import ContextRow, ProposeInput
 from dspark.engine.batch import BatchRow
 from dspark.engine.speculative import SpeculativeRunner
@@ -53,12 +54,13 @@ def cache_dir() -> Path:
 
 
 def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, budget: int, max_seqs: int,
-                rows: bool = False) -> str:
+                rows: bool = False, pad_rows: int = PAD_ROWS) -> str:
     """Cache key of a profile: everything its grids or timings depend on (max_seqs bounds the
     request grid, so a profile measured for a one-request engine never serves a 64-request one; rows: whether it
-    times the row shapes, which only an engine pricing by them (`GateConfig.rows`) measures)."""
+    times the row shapes, which only an engine pricing by them (`GateConfig.rows`) measures, and which depend on
+    how the engine lays out their attention grids, `EngineConfig.pad_rows`)."""
     raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}|{REVISION}" + ("|rows" if rows else ""))
+           f"{torch.__version__}|{REVISION}" + (f"|rows{pad_rows}" if rows else ""))
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

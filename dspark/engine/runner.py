@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from dspark.config import PAD_ROWS
 from dspark.device import upload
 from dspark.drafters.base import Drafter
 from dspark.engine.batch import Batch, BatchRow
@@ -102,14 +103,14 @@ class ModelRunner:
     drafter: Drafter | None = None
     profile: StepProfile | None = None
 
-    def __init__(self, model: CausalLM, kv: PagedKVCache) -> None:
-        self.model, self.kv = model, kv
+    def __init__(self, model: CausalLM, kv: PagedKVCache, pad_rows: int = PAD_ROWS) -> None:
+        self.model, self.kv, self.pad_rows = model, kv, pad_rows  # pad_rows: `EngineConfig.pad_rows`
         self.device = model.device
         self.policy: Policy = NoSpeculation()
 
     @torch.inference_mode()
     def target_forward(self, rows: Sequence[BatchRow], taps: Sequence[int] = ()) -> tuple[Batch, ForwardOutput]:
-        batch = Batch.build(rows, self.kv.pool, self.device)
+        batch = Batch.build(rows, self.kv.pool, self.device, self.pad_rows)
         out = self.model(batch.input_ids, batch.meta, self.kv.layers, batch.logits_indices, taps)
         return batch, out
 

@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local HF-format directory, 'dspark-small' (default) or 'dspark-tiny'")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default="", help="float32, bfloat16, float16 (default: bfloat16 on CUDA and on CPUs with native bfloat16, else float32)")
+    p.add_argument("--pad-rows", type=int, default=None, metavar="N",
+                   help="one-token rows share the verify rows' attention grid while that pads them by at most N "
+                        "query rows (default 48; 0: two grids; `EngineConfig.pad_rows`)")
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +40,10 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, **extra):
-    from dspark.config import EngineConfig, default_device
+    from dspark.config import PAD_ROWS, EngineConfig, default_device
 
-    return EngineConfig(device=args.device or default_device(), dtype=args.dtype, **extra)
+    pad = PAD_ROWS if getattr(args, "pad_rows", None) is None else args.pad_rows
+    return EngineConfig(device=args.device or default_device(), dtype=args.dtype, pad_rows=pad, **extra)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -356,6 +356,8 @@ def test_serve_arguments_build_the_engine(qwen3_dir):
     assert engine.cfg.max_num_seqs == 8 and engine.kv.pool.num_blocks == 128
     assert drafter_name(engine).startswith("ngram:") and engine.policy.name == "static:3"
     assert build_engine(serve_args(qwen3_dir)).drafter is None  # no drafter named: plain decoding
+    assert build_engine(serve_args(qwen3_dir, "--pad-rows", "0")).runner.pad_rows == 0
+    assert engine.runner.base.pad_rows == engine.cfg.pad_rows == 48  # the default
     with pytest.raises(ValueError):
         build_engine(serve_args(qwen3_dir, "--drafter", "ngram", "--policy", "fastest"))
 

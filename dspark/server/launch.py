@@ -22,7 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from dspark.config import EngineConfig, default_device
+from dspark.config import PAD_ROWS, EngineConfig, default_device
 from dspark.engine.engine import LLMEngine
 from dspark.engine.gate import GateConfig
 from dspark.models.loader import DEFAULT_MODEL
@@ -44,6 +44,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 1024),
         max_model_len=getattr(args, "max_model_len", None), num_kv_blocks=getattr(args, "num_kv_blocks", None),
         seed=getattr(args, "seed", 0),
+        pad_rows=PAD_ROWS if getattr(args, "pad_rows", None) is None else args.pad_rows,
     )
     return from_names(getattr(args, "model", None), drafter=getattr(args, "drafter", None),
                       policy=getattr(args, "policy", None), cfg=cfg, gamma=getattr(args, "gamma", None),

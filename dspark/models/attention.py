@@ -135,8 +135,8 @@ def _buckets(query_lens: Sequence[int], pad_rows: int = PAD_ROWS) -> list[list[i
     softmax); padding costs per padded row. dspark-small on 2 CPU cores, bfloat16, at a 256-token context
     (`docs/results/profile/pad/`): one 2-token verify row beside 3 / 12 one-token rows cost 4.5 / 5.5 ms over the
     plain step in two grids, 0.8 / 1.9 ms in one; half of 9 / 13 rows verifying 8 tokens, 39.4 / 46.4 ms against
-    35.6 / 41.8. Past the bound padding costs more than the grid it saves (one 8-token row beside 15 one-token
-    rows, timed ad hoc: 31.5 ms in one grid, 29.7 in two)."""
+    35.6 / 41.8. Past the bound padding costs more than the grid it saves: every one-token row pays a verify
+    row's attention (`query_bucket`)."""
     buckets: dict[int, list[int]] = {}
     for r, q in enumerate(query_lens):
         buckets.setdefault(query_bucket(q), []).append(r)

@@ -492,3 +492,24 @@ def test_a_configuration_sets_engine_options_beside_gate_options():
         parse_configs("dspark:dspark?pad_rows=-1")
     with pytest.raises(ValueError, match="gate option"):
         parse_configs("dspark:dspark?padrows=1")
+
+
+def test_peers_systems_stop_alike_at_the_end_token(qwen3_dir):
+    """With stop_at_eos the engine and transformers end at the model's end token, at the same position (a token of
+    the plain greedy answer is made the end token here, as a random model emits no real one)."""
+    import transformers
+
+    from dspark.config import EngineConfig
+    from dspark.engine.factory import build_engine
+
+    engine = build_engine(str(qwen3_dir), None, "none", EngineConfig(device="cpu", dtype="float32"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    prompt = [5, 17, 42, 9, 33]
+    full = peers.EngineSystem(engine, 12)(prompt)
+    assert len(full) == 12 and peers.hf_system(hf, 12, 0)(prompt) == full  # EOS ignored: exactly 12 each
+    end = full[5]
+    engine.tokenizer.eos_token_ids = (end,)
+    stopped = peers.EngineSystem(engine, 12, stop_at_eos=True)(prompt)
+    assert stopped == full[: full.index(end) + 1]  # the end token emitted, nothing after it
+    assert peers.hf_system(hf, 12, 0, eos=[end])(prompt) == stopped
+    assert "up to 12 new tokens" in peers.length(peers.PeersSettings(max_tokens=12, stop_at_eos=True))

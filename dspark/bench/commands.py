@@ -104,6 +104,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="also transformers assisted generation with this smaller model (same tokenizer)")
     q.add_argument("--llama-cpp", default=None, metavar="DIR",
                    help="also llama.cpp from this built source tree: plain, and with --assistant as its draft model")
+    q.add_argument("--stop-at-eos", action="store_true",
+                   help="every system stops at the model's end token (default: exactly --max-tokens each)")
     q.set_defaults(func=run_peers)
 
     k = sub.add_parser("soak", help="dspark serve under mixed load and faults: RSS and KV pool over time, errors")
@@ -192,7 +194,7 @@ def run_peers(args: argparse.Namespace) -> int:
     fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens",
                          repeats="repeats", profile="profile", assistant="assistant",
                          llama_cpp="llama_cpp"))
-    peers.run(peers.PeersSettings(**fields), _out(args, "peers"))
+    peers.run(peers.PeersSettings(**fields, stop_at_eos=args.stop_at_eos), _out(args, "peers"))
     return 0
 
 

@@ -114,8 +114,9 @@ def parse_speculative(log: str) -> tuple[float, int, int, float]:
             float(accept.group(1)) / 100 if accept else float("nan"))
 
 
-def _common(ll: LlamaCpp, model: Path, prompt: str, max_tokens: int) -> list[str]:
-    return ["-m", str(model), "-p", prompt, "-n", str(max_tokens), "--ignore-eos", "--temp", "0", "--top-k", "1",
+def _common(ll: LlamaCpp, model: Path, prompt: str, max_tokens: int, stop_at_eos: bool = False) -> list[str]:
+    eos = [] if stop_at_eos else ["--ignore-eos"]
+    return ["-m", str(model), "-p", prompt, "-n", str(max_tokens), *eos, "--temp", "0", "--top-k", "1",
             "--seed", "0", "-t", str(ll.threads), "-tb", str(ll.threads), "-c", "2048", "-ngl", "0",
             "-lv", "3"]  # log level 3: the timing summaries are info lines
 
@@ -142,27 +143,30 @@ def parsed_run(cmd: list[str], parse, tries: int = 3):
     raise ValueError("tries must be at least 1")
 
 
-def plain(ll: LlamaCpp, model: Path, tokenizer, max_tokens: int):
-    """prompt ids -> Measured, llama.cpp decoding one token per step (llama-completion)."""
+def plain(ll: LlamaCpp, model: Path, tokenizer, max_tokens: int, stop_at_eos: bool = False):
+    """prompt ids -> Measured, llama.cpp decoding one token per step (llama-completion); with stop_at_eos it
+    stops at the end token, and its tokens are its text's, the end token counted as the others count it."""
     exe = ll.binary("llama-completion")
 
     def generate(ids: list[int]) -> Measured:
         prompt = tokenizer.decode(ids, skip_special_tokens=False)
-        done, (seconds, prompt_n, runs) = parsed_run([str(exe), *_common(ll, model, prompt, max_tokens), "-no-cnv",
-                                                   "--no-display-prompt"], parse_completion)
-        return Measured(seconds, max_tokens, tokenizer.encode(done.stdout)[:max_tokens], {"prompt_tokens": prompt_n})
+        done, (seconds, prompt_n, runs) = parsed_run([str(exe), *_common(ll, model, prompt, max_tokens, stop_at_eos),
+                                                      "-no-cnv", "--no-display-prompt"], parse_completion)
+        out = tokenizer.encode(done.stdout)[:max_tokens]
+        tokens = min(max_tokens, len(out) + 1) if stop_at_eos else max_tokens  # the end token, as the others count it
+        return Measured(seconds, tokens, out, {"prompt_tokens": prompt_n})
 
     return generate
 
 
-def speculative(ll: LlamaCpp, model: Path, draft: Path, tokenizer, max_tokens: int):
+def speculative(ll: LlamaCpp, model: Path, draft: Path, tokenizer, max_tokens: int, stop_at_eos: bool = False):
     """prompt ids -> Measured, llama.cpp's speculative decoding with a draft model (llama-speculative-simple)."""
     exe = ll.binary("llama-speculative-simple")
 
     def generate(ids: list[int]) -> Measured:
         prompt = tokenizer.decode(ids, skip_special_tokens=False)
         done, (seconds, prompt_n, decoded, accept) = parsed_run(
-            [str(exe), *_common(ll, model, prompt, max_tokens), "-md", str(draft), "-ngld", "0", "--spec-type",
+            [str(exe), *_common(ll, model, prompt, max_tokens, stop_at_eos), "-md", str(draft), "-ngld", "0", "--spec-type",
              "draft-simple", "--spec-draft-n-max", str(ll.draft_max)], parse_speculative)
         text = done.stdout.lstrip("\n")
         text = text[len(prompt):] if text.startswith(prompt) else ""

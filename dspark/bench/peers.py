@@ -5,7 +5,8 @@
     dspark bench peers --quick        # a ~1 minute smoke run (never a speed claim)
     dspark bench peers --model dspark-small --assistant dspark-tiny
 
-Seven systems (eight with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored): transformers
+Seven systems (eight with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored; with
+`--stop-at-eos` each stops at the model's end token, as a served answer does, and tok/s counts what it emitted): transformers
 `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
@@ -51,6 +52,7 @@ class PeersSettings:
     device: str | None = None
     assistant: str | None = None  # a smaller model with the same tokenizer: transformers assisted generation
     llama_cpp: str | None = None  # a built llama.cpp tree: its plain and (with assistant) draft-model decoding
+    stop_at_eos: bool = False  # every system stops at the model's end token (default: exactly max_tokens each)
 
 
 QUICK = dict(num_prompts=1, max_tokens=32, repeats=1)
@@ -76,11 +78,11 @@ def llama_systems(s: PeersSettings, path: Path, tok) -> dict:
 
     ll = llamacpp.LlamaCpp(Path(s.llama_cpp).expanduser())
     target = llamacpp.gguf(ll, path)
-    systems = {f"llama.cpp ({ll.outtype})": llamacpp.plain(ll, target, tok, s.max_tokens)}
+    systems = {f"llama.cpp ({ll.outtype})": llamacpp.plain(ll, target, tok, s.max_tokens, s.stop_at_eos)}
     if s.assistant:
         draft = llamacpp.gguf(ll, resolve_model_path(s.assistant))
         systems[f"llama.cpp draft model ({Path(str(s.assistant)).name}, {ll.draft_max})"] = llamacpp.speculative(
-            ll, target, draft, tok, s.max_tokens)
+            ll, target, draft, tok, s.max_tokens, s.stop_at_eos)
     return systems
 
 
@@ -90,11 +92,11 @@ class EngineSystem:
     (`Drafter.forget`): every prompt runs once per pass, and a store holding the last pass's answer would
     copy it whole."""
 
-    def __init__(self, engine, max_tokens: int) -> None:
+    def __init__(self, engine, max_tokens: int, stop_at_eos: bool = False) -> None:
         from dspark.sampling import SamplingParams
 
         self.engine = engine
-        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=not stop_at_eos)
         self.rounds = 0
 
     def __call__(self, ids: list[int]) -> list[int]:
@@ -105,14 +107,16 @@ class EngineSystem:
         return out.token_ids
 
 
-def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, **extra):
+def hf_system(hf, max_tokens: int, pad_id: int, assistant=None, eos: list[int] | None = None, **extra):
     """Greedy `generate()` for exactly max_tokens: like the engine's ignore_eos, EOS tokens are
     emitted where the model predicts them and decoding goes on (min_new_tokens would instead mask
-    EOS and change the tokens), so the end-of-sequence id is set to one the model never emits."""
+    EOS and change the tokens), so the end-of-sequence id is set to one the model never emits; with
+    `eos`, generation stops at those ids, as the engine's does."""
     import copy
 
     gen = copy.deepcopy(hf.generation_config)
-    fields = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id, eos_token_id=hf.config.vocab_size,
+    fields = dict(max_new_tokens=max_tokens, do_sample=False, pad_token_id=pad_id,
+                  eos_token_id=eos or hf.config.vocab_size,
                   temperature=None, top_p=None, top_k=None, **extra)
     for key, value in fields.items():
         setattr(gen, key, value)
@@ -164,22 +168,24 @@ def run(s: PeersSettings, out: str | Path) -> dict:
     spec_label = f"dspark {drafter}:{policy}"
     spec = build_engine(path, drafter, policy, cfg, profile=s.profile)
     gamma = spec.runner.gamma
+    eos = list(tok.eos_token_ids) if s.stop_at_eos else None
+    n, stop = s.max_tokens, s.stop_at_eos
     systems = {
-        "transformers generate": hf_system(hf, s.max_tokens, pad),
-        f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, s.max_tokens, pad,
+        "transformers generate": hf_system(hf, n, pad, eos=eos),
+        f"transformers prompt lookup ({s.lookup_tokens})": hf_system(hf, n, pad, eos=eos,
                                                                      prompt_lookup_num_tokens=s.lookup_tokens),
-        "dspark none": EngineSystem(build_engine(path, None, "none", cfg), s.max_tokens),
+        "dspark none": EngineSystem(build_engine(path, None, "none", cfg), n, stop),
         f"dspark {drafter}:static:{gamma}": EngineSystem(build_engine(path, drafter, f"static:{gamma}", cfg,
-                                                                       profile=s.profile), s.max_tokens),
-        spec_label: EngineSystem(spec, s.max_tokens),
+                                                                       profile=s.profile), n, stop),
+        spec_label: EngineSystem(spec, n, stop),
     }
     if s.assistant:
         systems[f"transformers assisted ({Path(str(s.assistant)).name})"] = hf_system(
-            hf, s.max_tokens, pad, assistant=assistant_model(s.assistant, tok, cfg))
+            hf, n, pad, assistant=assistant_model(s.assistant, tok, cfg), eos=eos)
     if drafter != "ngram":  # this engine's own prompt lookup, beside transformers', and its router
         for copier in ("ngram", "auto"):
             systems[f"dspark {copier}:dspark"] = EngineSystem(build_engine(path, copier, "dspark", cfg,
-                                                                            profile=s.profile), s.max_tokens)
+                                                                            profile=s.profile), n, stop)
     if s.llama_cpp:
         systems.update(llama_systems(s, path, tok))
     names = list(systems)
@@ -237,7 +243,8 @@ def external_notes(external: dict[str, list[dict]]) -> str:
     if not external:
         return ""
     lines = ["\nllama.cpp times are its own (prompt evaluation + decoding, loading excluded); it bans the end token "
-             "under `--ignore-eos`, so its text parts from the others' after the model's first end token.\n"]
+             "under `--ignore-eos` (all but `--stop-at-eos` runs), so its text parts from the others' after the model's "
+             "first end token.\n"]
     for name, runs in external.items():
         same = sum(r["prompt_tokens"] == r["prompt_ids"] for r in runs)
         line = f"\n- {name}: prompt tokenised to dspark's length in {same} of {len(runs)} runs"
@@ -248,9 +255,16 @@ def external_notes(external: dict[str, list[dict]]) -> str:
     return "".join(lines) + "\n"
 
 
+def length(s: PeersSettings) -> str:
+    """How long each answer runs, as the report says it."""
+    if s.stop_at_eos:
+        return f"up to {s.max_tokens} new tokens (each system stops at the model's end token)"
+    return f"exactly {s.max_tokens} new tokens (EOS ignored)"
+
+
 def markdown(rows: list[dict], domain_rows: list[dict], s: PeersSettings, path: Path, note: str | None) -> str:
     md = [f"# Single stream: dspark vs transformers on `{model_label(path)}`\n\n",
-          f"Greedy, exactly {s.max_tokens} new tokens per prompt (EOS ignored), {s.num_prompts} prompts from each of "
+          f"Greedy, {length(s)} per prompt, {s.num_prompts} prompts from each of "
           f"{', '.join(s.datasets)} (chat template), {s.repeats} alternating pass(es), order rotating per prompt.\n"]
     if note:
         md.append(f"\nNote: {note}.\n")

@@ -4,8 +4,8 @@ Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verify
 (gamma+1)-token rows at a representative context length (the shape of a speculative
 step), and, for an engine that prices forwards by their rows (`GateConfig.rows`), on the request grid in the
 row shapes the engine's steps have (`row_shapes`: R one-token rows, one of them verifying, half of them
-verifying a block, all of them), which price a step whose rows are known (`StepProfile.raw`); drafter proposals are timed for R requests, at full depth and, for a drafter that
-cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
+verifying a block, all of them), which price a step whose rows are known (`StepProfile.raw`); drafter
+proposals are timed for R requests, at full depth and, for a drafter that cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
 drafter's draft vocabulary; one that drafts batches that sample over every token
 (`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are priced by the
 sampling rows' time, which is more than an argmax block costs (13 against 25 ms for 64 requests,

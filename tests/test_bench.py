@@ -124,7 +124,7 @@ def test_configs_and_workloads(qwen3_dir):
         parse_configs("dspark")
     gates = parse_configs("dspark:dspark;dspark:dspark?select=0;dspark:dspark?select=0")  # gate settings side by side
     assert [sp.label for sp in gates] == ["dspark:dspark", "dspark:dspark?select=0", "dspark:dspark?select=0#2"]
-    assert gates[1].policy == "dspark" and gates[1].gate == "select=0"
+    assert gates[1].policy == "dspark" and gates[1].options == "select=0"
     for bad in ("dspark:dspark?selekt=0", "dspark:dspark?select=2", "dspark:dspark?probe_every=x"):
         with pytest.raises(ValueError, match="gate option"):
             parse_configs(bad)
@@ -487,7 +487,7 @@ def test_a_configuration_sets_engine_options_beside_gate_options():
 
     assert split_options("select=1,pad_rows=0") == ("select=1", {"pad_rows": 0})
     spec = parse_configs("dspark:dspark;dspark:dspark?pad_rows=0")[1]
-    assert spec.label == "dspark:dspark?pad_rows=0" and spec.options() == ("", {"pad_rows": 0})
+    assert spec.label == "dspark:dspark?pad_rows=0" and split_options(spec.options) == ("", {"pad_rows": 0})
     with pytest.raises(ValueError, match="pad_rows=N"):
         parse_configs("dspark:dspark?pad_rows=-1")
     with pytest.raises(ValueError, match="gate option"):

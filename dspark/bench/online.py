@@ -50,6 +50,7 @@ from dspark.bench.workload import (
     render,
     select,
     split_drafter,
+    split_options,
 )
 from dspark.models.loader import model_label
 from dspark.report import cell
@@ -237,7 +238,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
             continue
         gamma = min(s.gamma, native) if s.gamma and sp.drafter else None
         drafter, vocab = split_drafter(sp.drafter) if sp.drafter else (None, 0)
-        gate, changes = sp.options()
+        gate, changes = split_options(sp.options)
         engine = build_engine(path, drafter, sp.policy, cfg.replace(**changes), gamma=gamma, profile=s.profile,
                               loaded=loaded, draft_vocab=vocab, gate=GateConfig.parse(gate))
         warm_up(engine, warm, s, params)

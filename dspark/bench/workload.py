@@ -95,16 +95,12 @@ class Spec:
     drafter: str | None
     policy: str
     copy: int = 1  # the n-th time the configuration is listed: an identical engine, a noise yardstick
-    gate: str = ""  # every option as written ('select=0,pad_rows=0'); `split_options` sorts them
-
-    def options(self) -> tuple[str, dict[str, int]]:
-        """(the gate's options as `GateConfig.parse` reads them, the engine config's changes)."""
-        return split_options(self.gate)
+    options: str = ""  # as written after '?' ('select=0,pad_rows=0'); `split_options` sorts them
 
     @property
     def label(self) -> str:
         base = "none" if self.drafter is None else f"{drafter_label(self.drafter)}:{self.policy}"
-        base = f"{base}?{self.gate}" if self.gate else base
+        base = f"{base}?{self.options}" if self.options else base
         return base if self.copy == 1 else f"{base}#{self.copy}"
 
 
@@ -157,10 +153,10 @@ def parse_configs(text: str) -> list[Spec]:
             drafter, sep, policy = item.partition(":")
             if not sep or not policy:
                 raise ValueError(f"config {item!r}: expected 'none' or 'drafter:policy' (e.g. dspark:dspark)")
-        policy, _, gate = policy.partition("?")
-        GateConfig.parse(split_options(gate)[0])  # a bad option fails here, before any engine is built
-        copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy, sp.gate) == (drafter, policy, gate))
-        out.append(Spec(drafter, policy, copy, gate))
+        policy, _, options = policy.partition("?")
+        GateConfig.parse(split_options(options)[0])  # a bad option fails here, before any engine is built
+        copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy, sp.options) == (drafter, policy, options))
+        out.append(Spec(drafter, policy, copy, options))
     return out
 
 

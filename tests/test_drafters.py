@@ -381,3 +381,37 @@ def test_first_position_weight_scales_its_share_of_the_loss():
         expect = (first * w[0] * per_pos[0] + w[1] * per_pos[1]) / (first * w[0] + w[1])
         assert float(loss) == pytest.approx(float(expect), rel=1e-5)
     assert torch.equal(position_weights(4, "cpu", "dspark", 2.0)[1:], position_weights(4, "cpu", "dspark")[1:])
+
+
+def test_refined_proposal_is_the_fed_block_up_to_its_first_change(target):
+    """A refining pass (`DrafterConfig.refine`) reads the first pass's draft in its slots: its tokens are the
+    teacher-forced argmaxes of a fed block over that draft, kept through the first one that changed."""
+    context = list(range(3, 20))
+    d = bound("dspark", target, causal_block=True, refine=1)
+    with torch.no_grad():
+        _, taps = target.forward_dense(torch.tensor([context]), d.taps)
+    d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
+    greedy = SamplingRows.same(1, SamplingParams(temperature=0.0))
+    inp = [ProposeInput("r", context[-1], len(context) - 1, context)]
+    block = d.propose(inp, greedy)
+    d.config = d.config.replace(refine=0)
+    first = d.propose(inp, greedy).tokens[0].tolist()
+    full = torch.tensor([context + first])
+    with torch.no_grad():
+        _, taps_full = target.forward_dense(full, d.taps)
+        fed, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]), fed=torch.ones(1, 1, dtype=torch.bool))
+    second = fed[0, 0].argmax(-1).tolist()
+    changed = next(k for k in range(len(first)) if first[k] != second[k])  # random weights: the pass changes a token
+    valid = block.num_valid[0]
+    assert valid == changed + 1 and block.tokens[0, :valid].tolist() == second[:valid]
+    assert block.confidence is not None and bool((block.confidence[0, valid:] == 0).all())
+    assert d.pool.length("r") == 16  # both passes' temporary slots were rolled back
+
+
+def test_refining_needs_a_causal_block(target):
+    with pytest.raises(ValueError, match="causal"):
+        new_config("dspark", target.config, 5, refine=1)
+    d = bound("dspark", target)  # a bidirectional block cannot be fed the tokens it predicts
+    with pytest.raises(ValueError, match="causal"):
+        d.train_forward(torch.zeros(1, 4, len(d.taps) * target.config.hidden_size), torch.zeros(1, 4, dtype=torch.long),
+                        torch.zeros(1, 1, dtype=torch.long), fed=torch.ones(1, 1, dtype=torch.bool))

@@ -243,3 +243,22 @@ def test_walk_command_writes_each_answers_round_starts(qwen3_dir, saved):
     drafter = load_drafter(str(saved / "start")).float()
     drafter._target = [target]
     assert sum(len(r["walk"]) for r in rows) == walk(drafter, target, rows, cfg, tok.pad_id)["walk_rounds"]
+
+
+def test_fed_blocks_train_and_are_measured_refined(qwen3_dir, saved):
+    """`fed` draws that share of blocks to read the text's tokens (deterministic per step); training runs on
+    them, and the held-out evaluation of a causal block also reports what a refining pass would accept."""
+    from dspark.train.drafter import batch_at, evaluate, read_rows
+
+    cfg = dataclasses.replace(config(qwen3_dir, saved, causal_block=True, fed=0.5, export_dir=str(saved / "fed")),
+                              anchors_per_seq=8)
+    target, tok, drafter, dcfg = build(cfg)
+    rows = read_rows(cfg.data)
+    batch = batch_at(rows, cfg, 7, 0, 0, 0)
+    assert batch.fed is not None and batch.fed.shape == batch.anchors.shape
+    assert 0 < int(batch.fed.sum()) < batch.fed.numel() and torch.equal(batch.fed, batch_at(rows, cfg, 7, 0, 0, 0).fed)
+    assert batch_at(rows, dataclasses.replace(cfg, fed=0.0), 7, 0, 0, 0).fed is None
+    report = evaluate(drafter, target, read_rows(cfg.heldout), cfg, 7, 0)
+    assert len(report["refined_acceptance"]) == 7 and report["refined_tau"] >= 1.0
+    train(cfg)
+    assert load_drafter(str(saved / "fed")).config.causal_block

@@ -77,6 +77,16 @@ class BlockDrafter(NeuralDrafter):
         masks = torch.full((*anchors.shape, slots - 1), self.config.mask_token_id, device=anchors.device)
         return torch.cat([anchors[..., None], masks], dim=-1)
 
+    def fed_inputs(self, prev: torch.Tensor, fed: torch.Tensor | None) -> torch.Tensor:
+        """Block token ids [..., g] for prev [..., g] (x_0..x_{g-1}): the anchor and masks, or where fed [...]
+        holds, the tokens themselves."""
+        ids = self.block_inputs(prev[..., 0])
+        if fed is None:
+            return ids
+        if not self.config.causal_block:
+            raise ValueError("a fed block needs a causal block: a bidirectional slot would read the tokens it predicts")
+        return torch.where(fed[..., None], prev, ids)
+
     @property
     def cuts_exactly(self) -> bool:
         return self.config.causal_block
@@ -99,15 +109,24 @@ class BlockDrafter(NeuralDrafter):
                 causal=self.config.causal_block,
             )
             anchors = upload([i.anchor for i in inputs], dev)
-            x = self.backbone.block_start(self.embed(self.block_inputs(anchors, g)), self.last_context(inputs))
-            x = x.flatten(0, 1)  # [R*g, d]
-            hidden = self.anchored(self.backbone.forward_paged(x, meta, self.cache.layers).view(len(inputs), g, -1))
+            last = self.last_context(inputs)
+            hidden = self.block_hidden(self.block_inputs(anchors, g), last, meta)
+            block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs],
+                                      [i.anchor for i in inputs])
+            if self.config.refine and rows.all_greedy and first == 0 and depth > 1:
+                fed = torch.cat([anchors[:, None], block.tokens[:, : depth - 1]], 1)
+                block = refined(block, self.sample_block(self.block_hidden(fed, last, meta), anchors, rows,
+                                                         [i.generator for i in inputs], [i.anchor for i in inputs]))
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
-        block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs],
-                                  [i.anchor for i in inputs])
         return widened(block, self.gamma)
+
+    def block_hidden(self, ids: torch.Tensor, last: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [R, g, d] of one pass over the blocks' slot ids [R, g] (their K/V written into the
+        temporary slots, over what an earlier pass wrote there)."""
+        x = self.backbone.block_start(self.embed(ids), last).flatten(0, 1)  # [R*g, d]
+        return self.anchored(self.backbone.forward_paged(x, meta, self.cache.layers).view(*ids.shape, -1))
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
@@ -164,13 +183,15 @@ class BlockDrafter(NeuralDrafter):
         return self.train_forward(*args, **kwargs)
 
     def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
-                      conf_stop_grad: bool = False):
+                      conf_stop_grad: bool = False, fed: torch.Tensor | None = None):
         """Teacher-forced block predictions.
 
         taps [B, T, m*d] target features, tokens [B, T], anchors [B, A] positions (each with
         gamma valid tokens after it) -> logits [B, A, g, V] (base + sequential bias) and
         confidence logits [B, A, g] (or None). conf_stop_grad keeps the confidence loss from
-        moving the backbone and the head (it then trains only the confidence head).
+        moving the backbone and the head (it then trains only the confidence head). fed [B, A] bool:
+        blocks whose slots after the anchor read the text's tokens x_1..x_{g-1} instead of masks, as a
+        refining pass reads a draft (a causal block only: slot k then sees x_0..x_k and predicts x_{k+1}).
         """
         self.check_trainable()
         if self.config.slots != self.gamma or not self.config.anchor_slot:
@@ -183,7 +204,7 @@ class BlockDrafter(NeuralDrafter):
         prev = tokens.gather(1, block_pos.clamp(max=last).flatten(1)).view(b, a, g)  # x_0..x_{g-1}, teacher
         mask = block_mask(anchors, g, taps.shape[1], self.config.causal_block)
         h_ctx = self.backbone.context(taps)
-        x = self.backbone.block_start(self.embed(self.block_inputs(prev[..., 0])), before_anchor(h_ctx, anchors))
+        x = self.backbone.block_start(self.embed(self.fed_inputs(prev, fed)), before_anchor(h_ctx, anchors))
         hidden = self.anchored(
             self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1))
         logits = self.lm_head(hidden)
@@ -196,6 +217,19 @@ class BlockDrafter(NeuralDrafter):
             conf = self.conf(hidden.detach(), None if emb is None else emb.detach()) if conf_stop_grad \
                 else self.conf(hidden, emb)
         return logits, conf
+
+
+def refined(first: DraftBlock, second: DraftBlock) -> DraftBlock:
+    """A greedy refined block: the second pass's tokens and confidences (its slot k read the first pass's x_1..x_{k-1}),
+    each request's kept up to and including its first token that differs from the first pass's, after which
+    the second pass read a draft that is no longer the block's (`num_valid`; confidences past it 0)."""
+    same = torch.cumprod((first.tokens == second.tokens).long(), 1)  # [R, d]: agreeing through k
+    valid = (same[:, :-1].sum(1) + 1).tolist()  # through the first difference (all d where they agree)
+    if second.confidence is not None:
+        keep = torch.arange(second.tokens.shape[1], device=same.device)[None, :] < upload(valid, same.device)[:, None]
+        second.confidence = second.confidence * keep
+    second.num_valid = valid
+    return second
 
 
 def before_anchor(h_ctx: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ class BlockBatch:
     labels: torch.Tensor  # [B, A, g] long, tokens at p+1..p+g (0 where invalid)
     valid: torch.Tensor  # [B, A, g] bool
     domains: list[str]
+    fed: torch.Tensor | None = None  # [B, A] bool: blocks whose slots read the text's tokens, not masks (None: none)
 
 
 def valid_anchor_range(prompt_len: int, length: int) -> tuple[int, int]:

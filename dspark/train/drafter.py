@@ -59,6 +59,8 @@ class DrafterTrainConfig:
     batch_size: int = 8
     anchors_per_seq: int = 16
     walked: float = 0.0  # share of each answer's anchors drawn from its greedy walk's round starts (`dspark train walk`)
+    fed: float = 0.0  # dspark/dflash with a causal block: share of blocks whose slots read the text's tokens instead of
+    #                   masks (slot k then predicts x_{k+1} from x_0..x_k), what a refining pass sees (`DrafterConfig.refine`)
     max_steps: int = 2000
     lr: float = 1e-3
     warmup_steps: int = 100
@@ -143,22 +145,25 @@ def block_targets(target, batch: BlockBatch, taps_layers) -> tuple[torch.Tensor,
 def batch_at(rows: list[dict], cfg: DrafterTrainConfig, gamma: int, step: int, rank: int, pad: int) -> BlockBatch:
     rng = np.random.default_rng([cfg.seed, step, rank])
     pick = rng.choice(len(rows), size=cfg.batch_size, replace=len(rows) < cfg.batch_size)
-    return on_device(make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad,
-                                cfg.walked), cfg)
+    batch = make_batch([rows[i] for i in pick], cfg.seq_len, gamma, cfg.anchors_per_seq, rng, pad, cfg.walked)
+    if cfg.fed:
+        batch = dataclasses.replace(batch, fed=torch.from_numpy(rng.random(batch.anchors.shape) < cfg.fed))
+    return on_device(batch, cfg)
 
 
 def on_device(batch: BlockBatch, cfg: DrafterTrainConfig) -> BlockBatch:
     """The batch's tensors on the training device."""
     dev = train_device(cfg)
     return dataclasses.replace(batch, tokens=batch.tokens.to(dev), anchors=batch.anchors.to(dev),
-                               labels=batch.labels.to(dev), valid=batch.valid.to(dev))
+                               labels=batch.labels.to(dev), valid=batch.valid.to(dev),
+                               fed=None if batch.fed is None else batch.fed.to(dev))
 
 
-def loss_on(drafter, target, batch: BlockBatch, cfg: DrafterTrainConfig, kind: str):
-    taps, t_logits = block_targets(target, batch, drafter.taps)
-    logits, conf = drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-    loss, parts = drafter_loss(kind, logits, conf, t_logits, batch.labels, batch.valid, cfg.loss_weights())
-    return loss, parts, logits, t_logits, conf
+def forward_on(forward, taps: torch.Tensor, batch: BlockBatch, cfg: DrafterTrainConfig):
+    """The drafter's teacher-forced (logits, confidence logits) on a batch; only a batch with fed blocks (a block
+    drafter's) passes `fed`."""
+    extra = {} if batch.fed is None else {"fed": batch.fed}
+    return forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad, **extra)
 
 
 @torch.no_grad()
@@ -170,11 +175,13 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
     position k, among those matching at every earlier position (what greedy verification accepts;
     exact on greedy answers, `dspark train regen --temperature 0`, where the text is the target's
     argmax at every position)."""
-    acc_sum, count, conf_err, hits, tried = torch.zeros(5, gamma, device=train_device(cfg))
+    acc_sum, count, conf_err, hits, tried, fed_hits, fed_tried = torch.zeros(7, gamma, device=train_device(cfg))
+    refines = getattr(drafter.config, "causal_block", False) and drafter.config.kind in ("dspark", "dflash")
     drafter.eval()
     for i in range(cfg.eval_batches):
-        batch = batch_at(rows, cfg, gamma, 10**9 + i, 0, pad)
-        _, _, logits, t_logits, conf = loss_on(drafter, target, batch, cfg, drafter.config.kind)
+        batch = dataclasses.replace(batch_at(rows, cfg, gamma, 10**9 + i, 0, pad), fed=None)
+        taps, t_logits = block_targets(target, batch, drafter.taps)
+        logits, conf = forward_on(drafter.train_forward, taps, batch, cfg)
         acc = acceptance(logits.softmax(-1), t_logits.softmax(-1))  # [B, A, g]
         v = batch.valid.float()
         acc_sum += (acc * v).sum((0, 1))
@@ -182,6 +189,12 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
         matched, reached = argmax_chain(logits, t_logits, v)
         hits += matched
         tried += reached
+        if refines:
+            fed = dataclasses.replace(batch, fed=torch.ones_like(batch.anchors, dtype=torch.bool))
+            fed_logits, _ = forward_on(drafter.train_forward, taps, fed, cfg)
+            matched, reached = chain_counts(refined_survival(logits, fed_logits, t_logits), v)
+            fed_hits += matched
+            fed_tried += reached
         if conf is not None:
             conf_err += ((torch.sigmoid(conf) - acc).abs() * v).sum((0, 1))
     drafter.train()
@@ -189,6 +202,9 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
     greedy = (hits / tried.clamp_min(1)).tolist()
     out = {"acceptance": [round(x, 4) for x in per_pos], "expected_tau": expected_tau(per_pos),
            "greedy_acceptance": [round(x, 4) for x in greedy], "greedy_tau": expected_tau(greedy)}
+    if refines:  # a second pass reading the first one's draft (`DrafterConfig.refine`), on the same blocks
+        refined = (fed_hits / fed_tried.clamp_min(1)).tolist()
+        out |= {"refined_acceptance": [round(x, 4) for x in refined], "refined_tau": expected_tau(refined)}
     if drafter.has_confidence:
         out["conf_mae"] = [round(x, 4) for x in (conf_err / count.clamp_min(1)).tolist()]
     return out
@@ -198,7 +214,23 @@ def argmax_chain(d_logits: torch.Tensor, t_logits: torch.Tensor, valid: torch.Te
     """[..., g, V] draft and target logits, [..., g] valid -> per position [g]: the valid blocks whose
     draft argmax equals the target's there and at every earlier position, and those matching at every
     earlier one (what greedy verification accepts, and what it reaches)."""
-    survived = torch.cumprod((d_logits.argmax(-1) == t_logits.argmax(-1)).float(), -1)
+    return chain_counts(torch.cumprod((d_logits.argmax(-1) == t_logits.argmax(-1)).float(), -1), valid)
+
+
+def refined_survival(mask_logits: torch.Tensor, fed_logits: torch.Tensor, t_logits: torch.Tensor) -> torch.Tensor:
+    """[..., g] 1.0 where greedy verification accepts position k of a refined draft: the second pass's x_k
+    (read from the first pass's draft before it) matches the target there and at every earlier position, and
+    the first pass's draft matched at every earlier one (the refined draft ends after its first token that
+    differs from the first pass's; before it, the second pass read the text itself, which fed blocks emulate)."""
+    target = t_logits.argmax(-1)
+    first = torch.cumprod((mask_logits.argmax(-1) == target).float(), -1)
+    second = torch.cumprod((fed_logits.argmax(-1) == target).float(), -1)
+    return second * torch.cat([torch.ones_like(first[..., :1]), first[..., :-1]], -1)
+
+
+def chain_counts(survived: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """survived [..., g] (a block's first k drafts all accepted), valid [..., g] -> per position [g]: the
+    valid blocks accepted through k and those that reach k."""
     reached = torch.cat([torch.ones_like(survived[..., :1]), survived[..., :-1]], -1)
     dims = tuple(range(survived.dim() - 1))
     return (survived * valid).sum(dims), (reached * valid).sum(dims)
@@ -316,8 +348,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
             group["lr"] = lr
         batch = batch_at(rows, cfg, dcfg.gamma, step, rank, pad)
         taps, t_logits = block_targets(target, batch, dcfg.taps)
-        logits, conf = model(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad) if world > 1 \
-            else drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
+        logits, conf = forward_on(model if world > 1 else drafter.train_forward, taps, batch, cfg)
         loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits, batch.labels, batch.valid, cfg.loss_weights())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

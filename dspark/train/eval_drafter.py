@@ -27,6 +27,7 @@ from dspark.train.drafter import (
     load_frozen_target,
     on_device,
     read_rows,
+    refined_survival,
     train_device,
 )
 
@@ -80,34 +81,51 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     `docs/models/dspark-small.md`)."""
     gamma = drafter.config.gamma
     drafter.eval()
+    chains = [chain_of(drafter, target, row, cfg, pad) for row in rows]
+    drafter.train()
+    out = walked(rows, [c[0] for c in chains], cfg, gamma, "walk")
+    if all(c[1] is not None for c in chains) and chains:  # a drafter that can refine: the same walk, refined drafts
+        out |= walked(rows, [c[1] for c in chains], cfg, gamma, "refined_walk")
+    return out
+
+
+def walked(rows: Sequence[dict], chains: Sequence[dict[int, int]], cfg: DrafterTrainConfig, gamma: int,
+           name: str) -> dict:
+    """`walk`'s measures (keys prefixed by name) from each answer's chain."""
     tried, hits, tokens = [0] * gamma, [0] * gamma, 0
-    for row in rows:
-        chain = chain_of(drafter, target, row, cfg, pad)
+    for row, chain in zip(rows, chains, strict=True):
         for n, room in rounds_along(chain, len(row["prompt_ids"]), last_of(row, cfg), gamma):
             tokens += n + 1
             for k in range(min(n + 1, room)):  # positions 1..n accepted, n + 1 tried and missed (if in the text)
                 tried[k], hits[k] = tried[k] + 1, hits[k] + (k < n)
-    drafter.train()
     rounds = tried[0]
-    return {"walk_tau": round(tokens / max(1, rounds), 4), "walk_first": round(hits[0] / max(1, rounds), 4),
-            "walk_acceptance": [round(h / t, 4) if t else None for h, t in zip(hits, tried, strict=True)],
-            "walk_rounds": rounds}
+    return {f"{name}_tau": round(tokens / max(1, rounds), 4), f"{name}_first": round(hits[0] / max(1, rounds), 4),
+            f"{name}_acceptance": [round(h / t, 4) if t else None for h, t in zip(hits, tried, strict=True)],
+            f"{name}_rounds": rounds}
 
 
 @torch.no_grad()
-def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> dict[int, int]:
+def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> tuple[dict[int, int], dict[int, int] | None]:
     """{anchor position: drafts of its teacher-forced block that match the target's argmax up to the first miss},
-    for every response position of one answer (empty where it has none)."""
+    for every response position of one answer (empty where it has none); and the same for a refined draft
+    (`refined_survival`) where the drafter is a causal block's, else None."""
     gamma, length = drafter.config.gamma, last_of(row, cfg) + 1
+    refines = getattr(drafter.config, "causal_block", False) and drafter.config.kind in ("dspark", "dflash")
     every = max(1, length - 1 - len(row["prompt_ids"]))  # every anchor, in a window as long as the answer
     batch = make_batch([row], length, gamma, every, np.random.default_rng(0), pad)
     if not bool(batch.valid.any()):
-        return {}
+        return {}, {} if refines else None
     batch = on_device(batch, cfg)
     taps, t_logits = block_targets(target, batch, drafter.taps)
     logits, _ = drafter.train_forward(taps, batch.tokens, batch.anchors)
+    anchors = batch.anchors[0].tolist()
     match = (logits.argmax(-1) == t_logits.argmax(-1)) & batch.valid
-    return dict(zip(batch.anchors[0].tolist(), torch.cumprod(match[0].long(), -1).sum(-1).tolist(), strict=True))
+    chain = dict(zip(anchors, torch.cumprod(match[0].long(), -1).sum(-1).tolist(), strict=True))
+    if not refines:
+        return chain, None
+    fed_logits, _ = drafter.train_forward(taps, batch.tokens, batch.anchors, fed=torch.ones_like(batch.anchors, dtype=torch.bool))
+    survived = refined_survival(logits, fed_logits, t_logits) * batch.valid
+    return chain, dict(zip(anchors, survived[0].long().sum(-1).tolist(), strict=True))
 
 
 def last_of(row: dict, cfg: DrafterTrainConfig) -> int:

@@ -383,29 +383,30 @@ def test_first_position_weight_scales_its_share_of_the_loss():
     assert torch.equal(position_weights(4, "cpu", "dspark", 2.0)[1:], position_weights(4, "cpu", "dspark")[1:])
 
 
-def test_refined_proposal_is_the_fed_block_up_to_its_first_change(target):
-    """A refining pass (`DrafterConfig.refine`) reads the first pass's draft in its slots: its tokens are the
+@pytest.mark.parametrize("passes", [1, 2])
+def test_refined_proposal_is_the_fed_block_up_to_its_first_change(target, passes):
+    """A refining pass (`DrafterConfig.refine`) reads the previous pass's draft in its slots: its tokens are the
     teacher-forced argmaxes of a fed block over that draft, kept through the first one that changed."""
     context = list(range(3, 20))
-    d = bound("dspark", target, causal_block=True, refine=1)
+    d = bound("dspark", target, causal_block=True, refine=passes)
     with torch.no_grad():
         _, taps = target.forward_dense(torch.tensor([context]), d.taps)
     d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
     greedy = SamplingRows.same(1, SamplingParams(temperature=0.0))
     inp = [ProposeInput("r", context[-1], len(context) - 1, context)]
     block = d.propose(inp, greedy)
-    d.config = d.config.replace(refine=0)
-    first = d.propose(inp, greedy).tokens[0].tolist()
-    full = torch.tensor([context + first])
+    d.config = d.config.replace(refine=passes - 1)
+    read = d.propose(inp, greedy).tokens[0].tolist()  # the draft the last pass read
+    full = torch.tensor([context + read])
     with torch.no_grad():
         _, taps_full = target.forward_dense(full, d.taps)
         fed, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]), fed=torch.ones(1, 1, dtype=torch.bool))
     second = fed[0, 0].argmax(-1).tolist()
-    changed = next(k for k in range(len(first)) if first[k] != second[k])  # random weights: the pass changes a token
+    changed = next(k for k in range(len(read)) if read[k] != second[k])  # random weights: each pass changes a token
     valid = block.num_valid[0]
     assert valid == changed + 1 and block.tokens[0, :valid].tolist() == second[:valid]
     assert block.confidence is not None and bool((block.confidence[0, valid:] == 0).all())
-    assert d.pool.length("r") == 16  # both passes' temporary slots were rolled back
+    assert d.pool.length("r") == 16  # every pass's temporary slots were rolled back
 
 
 def test_refining_needs_a_causal_block(target):
@@ -415,3 +416,16 @@ def test_refining_needs_a_causal_block(target):
     with pytest.raises(ValueError, match="causal"):
         d.train_forward(torch.zeros(1, 4, len(d.taps) * target.config.hidden_size), torch.zeros(1, 4, dtype=torch.long),
                         torch.zeros(1, 1, dtype=torch.long), fed=torch.ones(1, 1, dtype=torch.bool))
+
+
+def test_a_refining_pass_keeps_each_draft_through_its_first_change():
+    from dspark.drafters.base import DraftBlock
+    from dspark.drafters.block import refined
+
+    read = DraftBlock(torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8]]), None, torch.full((2, 4), 0.9))
+    second = DraftBlock(torch.tensor([[5, 9, 7, 8], [5, 6, 7, 8]]), None, torch.full((2, 4), 0.8))
+    block, settled = refined(read, second)
+    assert block.num_valid == [2, 4] and not settled  # row 0 keeps 5, 9 (9 read 5, its own x_1); row 1 all
+    assert block.confidence.tolist() == [[0.8, 0.8, 0.0, 0.0], [0.8] * 4]
+    same = DraftBlock(torch.tensor([[5, 6, 7, 8]]), None, None)
+    assert refined(same, DraftBlock(torch.tensor([[5, 6, 7, 8]]), None, None))[1]

@@ -65,9 +65,10 @@ class DrafterConfig:
     #                                 the anchor (dspark, dflash): the feature EAGLE-3 feeds its residual stream
     causal_block: bool = False  # block slots see the slots before them, not after (dspark, dflash): the first k
     #                             proposals do not depend on how many are drafted, so a step may draft fewer
-    refine: int = 0  # dspark/dflash with a causal block: greedy proposals run the block once more with the first pass's
-    #                  draft in its slots (1; 0: off), and keep the second pass's draft up to its first token that
-    #                  differs from the first's (the last one read what the second pass drafted before it)
+    refine: int = 0  # dspark/dflash with a causal block: greedy proposals run the block up to this many times more,
+    #                  each pass with the previous pass's draft in its slots, stopping where a pass changes nothing; the
+    #                  last pass's draft is kept up to its first token that differs from the one before (the last token
+    #                  whose slots read what the pass itself drafted before it)
     anchor_mlp: int = 0  # dspark: width of a gated MLP only the anchor slot runs on its final hidden (0: none), the
     #                      first position's own parameters where every other weight serves the whole block
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
@@ -99,10 +100,11 @@ class DrafterConfig:
         for name in ("context_residual", "causal_block"):  # auto: the router's copy of its neural drafter's config
             if getattr(self, name) and self.kind not in ("dspark", "dflash", "auto"):
                 raise ValueError(f"{name} is a block-backbone option (dspark, dflash), not {self.kind}'s")
-        if self.refine not in (0, 1) or (self.refine and (self.kind not in ("dspark", "dflash", "auto")
-                                                         or not self.causal_block)):
-            raise ValueError(f"refine={self.refine}: one refining pass (1) or none (0), for a causal block's drafter "
-                             f"(dspark, dflash with causal_block), not {self.kind} with causal_block={self.causal_block}")
+        if self.refine < 0 or (self.refine and (self.kind not in ("dspark", "dflash", "auto")
+                                                or not (self.causal_block and self.anchor_slot))):
+            raise ValueError(f"refine={self.refine}: refining passes (>= 0) need a causal block whose anchor slot "
+                             f"predicts x_1 (dspark, dflash with causal_block), not {self.kind} with "
+                             f"causal_block={self.causal_block}, anchor_slot={self.anchor_slot}")
         if self.anchor_mlp and (self.kind not in ("dspark", "auto") or not self.anchor_slot):
             raise ValueError(f"anchor_mlp runs on a DSpark block's anchor slot, which a {self.kind} drafter "
                              f"(anchor_slot={self.anchor_slot}) does not predict from")

@@ -111,12 +111,14 @@ class BlockDrafter(NeuralDrafter):
             anchors = upload([i.anchor for i in inputs], dev)
             last = self.last_context(inputs)
             hidden = self.block_hidden(self.block_inputs(anchors, g), last, meta)
-            block = self.sample_block(hidden[:, first:first + depth], anchors, rows, [i.generator for i in inputs],
-                                      [i.anchor for i in inputs])
-            if self.config.refine and rows.all_greedy and first == 0 and depth > 1:
+            generators, anchor_ids = [i.generator for i in inputs], [i.anchor for i in inputs]
+            block = self.sample_block(hidden[:, first:first + depth], anchors, rows, generators, anchor_ids)
+            for _ in range(self.config.refine if rows.all_greedy and depth > 1 else 0):
                 fed = torch.cat([anchors[:, None], block.tokens[:, : depth - 1]], 1)
-                block = refined(block, self.sample_block(self.block_hidden(fed, last, meta), anchors, rows,
-                                                         [i.generator for i in inputs], [i.anchor for i in inputs]))
+                block, settled = refined(block, self.sample_block(self.block_hidden(fed, last, meta), anchors, rows,
+                                                                  generators, anchor_ids))
+                if settled:  # every request's pass drafted what it read: another would draft the same again
+                    break
         finally:
             for inp in inputs:
                 self.pool.truncate(inp.seq_id, inp.context_len)
@@ -219,17 +221,17 @@ class BlockDrafter(NeuralDrafter):
         return logits, conf
 
 
-def refined(first: DraftBlock, second: DraftBlock) -> DraftBlock:
-    """A greedy refined block: the second pass's tokens and confidences (its slot k read the first pass's x_1..x_{k-1}),
-    each request's kept up to and including its first token that differs from the first pass's, after which
-    the second pass read a draft that is no longer the block's (`num_valid`; confidences past it 0)."""
-    same = torch.cumprod((first.tokens == second.tokens).long(), 1)  # [R, d]: agreeing through k
+def refined(read: DraftBlock, second: DraftBlock) -> tuple[DraftBlock, bool]:
+    """A greedy refining pass's block (its slot k read `read`'s x_1..x_{k-1}): its tokens and confidences, each
+    request's kept up to and including its first token that differs from `read`'s, after which the pass read
+    a draft that is no longer the block's (`num_valid`; confidences past it 0); and whether no token differed."""
+    same = torch.cumprod((read.tokens == second.tokens).long(), 1)  # [R, d]: agreeing through k
     valid = (same[:, :-1].sum(1) + 1).tolist()  # through the first difference (all d where they agree)
     if second.confidence is not None:
         keep = torch.arange(second.tokens.shape[1], device=same.device)[None, :] < upload(valid, same.device)[:, None]
         second.confidence = second.confidence * keep
     second.num_valid = valid
-    return second
+    return second, bool(same[:, -1].all())
 
 
 def before_anchor(h_ctx: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:

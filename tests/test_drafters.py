@@ -426,6 +426,6 @@ def test_a_refining_pass_keeps_each_draft_through_its_first_change():
     second = DraftBlock(torch.tensor([[5, 9, 7, 8], [5, 6, 7, 8]]), None, torch.full((2, 4), 0.8))
     block, settled = refined(read, second)
     assert block.num_valid == [2, 4] and not settled  # row 0 keeps 5, 9 (9 read 5, its own x_1); row 1 all
-    assert block.confidence.tolist() == [[0.8, 0.8, 0.0, 0.0], [0.8] * 4]
+    assert torch.equal(block.confidence, torch.tensor([[0.8, 0.8, 0.0, 0.0], [0.8] * 4]))
     same = DraftBlock(torch.tensor([[5, 6, 7, 8]]), None, None)
     assert refined(same, DraftBlock(torch.tensor([[5, 6, 7, 8]]), None, None))[1]

@@ -113,7 +113,9 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
         d.restrict_vocab(ids)
     runner = engine.runner
     if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":
-        name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "")
+        refine = d.config.refine if d is not None else 0  # refining passes change what a proposal costs
+        name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "") + \
+            (f":refine{refine}" if refine else "")
         rows = (gate or GateConfig()).rows  # row shapes are timed only for an engine that prices by them
         key = profiler.profile_key(str(path), name, cfg.device, cfg.dtype, runner.gamma,
                                    cfg.max_num_batched_tokens, cfg.max_num_seqs, rows, cfg.pad_rows)

@@ -12,7 +12,9 @@ sampling rows' time, which is more than an argmax block costs (13 against 25 ms 
 dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed
 requests where drafting lost, 0.92x plain decoding against 1.00x
 (`docs/results/online/greedy-price/`), since the gate's step model misses what a drafted step
-pays around the proposal under load (`docs/benchmarks.md`). Each point is the least of a few
+pays around the proposal under load (`docs/benchmarks.md`); a drafter that refines greedy proposals
+(`DrafterConfig.refine`: its block run again over its draft) is timed with greedy rows too, and priced at the
+dearer of the two. Each point is the least of a few
 calls, taken in rounds that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
@@ -170,10 +172,17 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     split = getattr(drafter, "splits_vocab", False)
 
+    refines = bool(getattr(drafter.config, "refine", 0))
+
     def draft_time(inputs: list[ProposeInput], depth: int | None = None, every_token: bool = False) -> float:
         rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)
         with drafter.hold_vocab(narrow=not every_token) if split else nullcontext():
-            return once(lambda: drafter.propose(inputs, rows, depth), base.device)
+            sampled = once(lambda: drafter.propose(inputs, rows, depth), base.device)
+        if not refines or every_token:
+            return sampled
+        # a drafter that refines greedy proposals runs its block again for them: the dearer of the two kinds
+        greedy = SamplingRows.same(len(inputs), SamplingParams(temperature=0.0), base.device)
+        return max(sampled, once(lambda: drafter.propose(inputs, greedy, depth), base.device))
 
     tokens = grid(budget)
     requests = grid(max_r)

@@ -9,6 +9,8 @@ points `DSPARK_PROFILE_DIR` at its own empty temporary directory.
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -141,3 +143,27 @@ def test_profile_points_take_turns_and_keep_their_least_time():
 
     assert least([point("a"), point("b")], repeats=3) == [3.0, 1.0]
     assert calls == ["a", "b"] * 4
+
+
+def test_a_refining_drafter_is_lossless_and_profiled_on_its_own(qwen3_dir, reference, tmp_path, monkeypatch):
+    """A causal DSpark drafter that refines its greedy proposals (`DrafterConfig.refine`) emits plain decoding's
+    tokens under every policy, and its profile is a cache entry of its own (its proposals cost more)."""
+    net, tok = load_model(qwen3_dir)
+    paths = {}
+    for refine in (0, 2):
+        torch.manual_seed(0)
+        config = new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, causal_block=True, refine=refine)
+        paths[refine] = tmp_path / f"refine{refine}"
+        save_drafter(new_drafter(config), config, paths[refine])  # type: ignore[arg-type]
+    cfg = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=24)
+    for policy in POLICIES:
+        fresh_dir(tmp_path, monkeypatch, f"refine-{policy}")
+        engine = build_engine(str(qwen3_dir), str(paths[2]), policy, cfg)
+        outs = engine.run_until_done([engine.add_request(p, GREEDY) for p in PROMPTS])
+        assert [o.token_ids for o in outs] == reference, policy
+    cache = fresh_dir(tmp_path, monkeypatch, "refine-both")
+    for refine in (0, 2):  # the same directory name, refining or not: two cache entries
+        shutil.rmtree(tmp_path / "drafter", ignore_errors=True)
+        shutil.copytree(paths[refine], tmp_path / "drafter")
+        build_engine(str(qwen3_dir), str(tmp_path / "drafter"), "dspark", cfg)
+    assert len(list(cache.glob("*.json"))) == 2

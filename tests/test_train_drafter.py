@@ -262,3 +262,16 @@ def test_fed_blocks_train_and_are_measured_refined(qwen3_dir, saved):
     assert len(report["refined_acceptance"]) == 7 and report["refined_tau"] >= 1.0
     train(cfg)
     assert load_drafter(str(saved / "fed")).config.causal_block
+    from dspark.train.eval_drafter import chain_of, evaluate_drafters
+
+    measured = evaluate_drafters(cfg, [str(saved / "fed")])["drafters"][str(saved / "fed")]
+    assert {"walk_tau", "refined_walk_tau", "fed_walk_tau"} <= set(measured)
+    trained = load_drafter(str(saved / "fed")).float()
+    trained._target = [target]  # type: ignore[attr-defined]
+    anchors = 0
+    for row in rows:  # a refined draft is kept through the fed block's first miss and one past the first pass's
+        chains = chain_of(trained, target, row, cfg, 0)
+        anchors += len(chains["refined_walk"])
+        for p, n in chains["refined_walk"].items():
+            assert n <= chains["fed_walk"][p] and n <= chains["walk"][p] + 1
+    assert anchors > 0

@@ -83,9 +83,9 @@ def walk(drafter, target, rows: Sequence[dict], cfg: DrafterTrainConfig, pad: in
     drafter.eval()
     chains = [chain_of(drafter, target, row, cfg, pad) for row in rows]
     drafter.train()
-    out = walked(rows, [c[0] for c in chains], cfg, gamma, "walk")
-    if all(c[1] is not None for c in chains) and chains:  # a drafter that can refine: the same walk, refined drafts
-        out |= walked(rows, [c[1] for c in chains], cfg, gamma, "refined_walk")
+    out = {}
+    for name in chains[0] if chains else ("walk",):  # a drafter that can refine: refined and fed drafts walked too
+        out |= walked(rows, [c[name] for c in chains], cfg, gamma, name)
     return out
 
 
@@ -105,27 +105,29 @@ def walked(rows: Sequence[dict], chains: Sequence[dict[int, int]], cfg: DrafterT
 
 
 @torch.no_grad()
-def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> tuple[dict[int, int], dict[int, int] | None]:
-    """{anchor position: drafts of its teacher-forced block that match the target's argmax up to the first miss},
-    for every response position of one answer (empty where it has none); and the same for a refined draft
-    (`refined_survival`) where the drafter is a causal block's, else None."""
+def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> dict[str, dict[int, int]]:
+    """{"walk": {anchor position: drafts of its teacher-forced block that match the target's argmax up to the first
+    miss}} for every response position of one answer (empty where it has none); for a causal block's drafter also
+    "refined_walk", the same for one refining pass's draft (`refined_survival`), and "fed_walk", for blocks fed the
+    text's tokens (what refining passes could reach at most: every slot reads the true draft before it)."""
     gamma, length = drafter.config.gamma, last_of(row, cfg) + 1
     refines = getattr(drafter.config, "causal_block", False) and drafter.config.kind in ("dspark", "dflash")
+    names = ("walk", "refined_walk", "fed_walk") if refines else ("walk",)
     every = max(1, length - 1 - len(row["prompt_ids"]))  # every anchor, in a window as long as the answer
     batch = make_batch([row], length, gamma, every, np.random.default_rng(0), pad)
     if not bool(batch.valid.any()):
-        return {}, {} if refines else None
+        return {name: {} for name in names}
     batch = on_device(batch, cfg)
     taps, t_logits = block_targets(target, batch, drafter.taps)
     logits, _ = drafter.train_forward(taps, batch.tokens, batch.anchors)
+    target_ids = t_logits.argmax(-1)
+    survived = {"walk": torch.cumprod((logits.argmax(-1) == target_ids).long(), -1)}
+    if refines:
+        fed, _ = drafter.train_forward(taps, batch.tokens, batch.anchors, fed=torch.ones_like(batch.anchors, dtype=torch.bool))
+        survived["refined_walk"] = refined_survival(logits, fed, t_logits).long()
+        survived["fed_walk"] = torch.cumprod((fed.argmax(-1) == target_ids).long(), -1)
     anchors = batch.anchors[0].tolist()
-    match = (logits.argmax(-1) == t_logits.argmax(-1)) & batch.valid
-    chain = dict(zip(anchors, torch.cumprod(match[0].long(), -1).sum(-1).tolist(), strict=True))
-    if not refines:
-        return chain, None
-    fed_logits, _ = drafter.train_forward(taps, batch.tokens, batch.anchors, fed=torch.ones_like(batch.anchors, dtype=torch.bool))
-    survived = refined_survival(logits, fed_logits, t_logits) * batch.valid
-    return chain, dict(zip(anchors, survived[0].long().sum(-1).tolist(), strict=True))
+    return {name: dict(zip(anchors, (s * batch.valid)[0].sum(-1).tolist(), strict=True)) for name, s in survived.items()}
 
 
 def last_of(row: dict, cfg: DrafterTrainConfig) -> int:

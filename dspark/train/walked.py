@@ -32,7 +32,7 @@ def write_walks(cfg: DrafterTrainConfig, drafter_dir: str, data: str, out: str) 
     with open(path, "w") as f:
         for row in tqdm(rows, desc="walk"):
             start = len(row["prompt_ids"])
-            walked = rounds_along(chain_of(drafter, target, row, cfg, tok.pad_id)[0], start, last_of(row, cfg),
+            walked = rounds_along(chain_of(drafter, target, row, cfg, tok.pad_id)["walk"], start, last_of(row, cfg),
                                   drafter.config.gamma)
             rounds, tokens = rounds + len(walked), tokens + sum(n + 1 for n, _ in walked)
             f.write(json.dumps({**row, "walk": starts_of(walked, start)}) + "\n")

@@ -400,7 +400,8 @@ def test_refined_proposal_is_the_fed_block_up_to_its_first_change(target, passes
     full = torch.tensor([context + read])
     with torch.no_grad():
         _, taps_full = target.forward_dense(full, d.taps)
-        fed, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]), fed=torch.ones(1, 1, dtype=torch.bool))
+        fed, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]),
+                                 fed=torch.ones(1, 1, dtype=torch.bool))
     second = fed[0, 0].argmax(-1).tolist()
     changed = next(k for k in range(len(read)) if read[k] != second[k])  # random weights: each pass changes a token
     valid = block.num_valid[0]

@@ -166,8 +166,8 @@ def speculative(ll: LlamaCpp, model: Path, draft: Path, tokenizer, max_tokens: i
     def generate(ids: list[int]) -> Measured:
         prompt = tokenizer.decode(ids, skip_special_tokens=False)
         done, (seconds, prompt_n, decoded, accept) = parsed_run(
-            [str(exe), *_common(ll, model, prompt, max_tokens, stop_at_eos), "-md", str(draft), "-ngld", "0", "--spec-type",
-             "draft-simple", "--spec-draft-n-max", str(ll.draft_max)], parse_speculative)
+            [str(exe), *_common(ll, model, prompt, max_tokens, stop_at_eos), "-md", str(draft), "-ngld", "0",
+             "--spec-type", "draft-simple", "--spec-draft-n-max", str(ll.draft_max)], parse_speculative)
         text = done.stdout.lstrip("\n")
         text = text[len(prompt):] if text.startswith(prompt) else ""
         return Measured(seconds, decoded, tokenizer.encode(text)[:max_tokens],

@@ -6,8 +6,8 @@
     dspark bench peers --model dspark-small --assistant dspark-tiny
 
 Seven systems (eight with `--assistant`), greedy, exactly `--max-tokens` new tokens each (EOS ignored; with
-`--stop-at-eos` each stops at the model's end token, as a served answer does, and tok/s counts what it emitted): transformers
-`generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
+`--stop-at-eos` each stops at the model's end token, as a served answer does, and tok/s counts what it
+emitted): transformers `generate()`, transformers with prompt lookup (`prompt_lookup_num_tokens=7`), this engine
 plainly (`none`), this engine with the model's default drafter verifying its whole block
 (`static:gamma`) and with the default drafter and policy (engine/factory.py `default_spec`;
 when no drafter is shipped for the model, `ngram` stands in and the report says so), and this
@@ -243,8 +243,8 @@ def external_notes(external: dict[str, list[dict]]) -> str:
     if not external:
         return ""
     lines = ["\nllama.cpp times are its own (prompt evaluation + decoding, loading excluded); it bans the end token "
-             "under `--ignore-eos` (all but `--stop-at-eos` runs), so its text parts from the others' after the model's "
-             "first end token.\n"]
+             "under `--ignore-eos` (all but `--stop-at-eos` runs), so its text parts from the others' after the "
+             "model's first end token.\n"]
     for name, runs in external.items():
         same = sum(r["prompt_tokens"] == r["prompt_ids"] for r in runs)
         line = f"\n- {name}: prompt tokenised to dspark's length in {same} of {len(runs)} runs"

@@ -100,8 +100,7 @@ class DrafterConfig:
         for name in ("context_residual", "causal_block"):  # auto: the router's copy of its neural drafter's config
             if getattr(self, name) and self.kind not in ("dspark", "dflash", "auto"):
                 raise ValueError(f"{name} is a block-backbone option (dspark, dflash), not {self.kind}'s")
-        if self.refine < 0 or (self.refine and (self.kind not in ("dspark", "dflash", "auto")
-                                                or not (self.causal_block and self.anchor_slot))):
+        if self.refine < 0 or (self.refine and not self.refinable):
             raise ValueError(f"refine={self.refine}: refining passes (>= 0) need a causal block whose anchor slot "
                              f"predicts x_1 (dspark, dflash with causal_block), not {self.kind} with "
                              f"causal_block={self.causal_block}, anchor_slot={self.anchor_slot}")
@@ -122,6 +121,12 @@ class DrafterConfig:
 
     def replace(self, **changes: Any) -> DrafterConfig:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def refinable(self) -> bool:
+        """Whether its block can read a draft in its slots (fed blocks in training, `refine` at serving): a causal
+        block whose anchor slot predicts x_1, so slot k reads x_1..x_k and predicts x_{k+1}."""
+        return self.kind in ("dspark", "dflash", "auto") and self.causal_block and self.anchor_slot
 
     @property
     def slots(self) -> int:

@@ -1,20 +1,19 @@
 """Measure a `StepProfile` on the engine's own target, drafter and KV pool, and cache it.
 
-Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying
-(gamma+1)-token rows at a representative context length (the shape of a speculative
-step), and, for an engine that prices forwards by their rows (`GateConfig.rows`), on the request grid in the
-row shapes the engine's steps have (`row_shapes`: R one-token rows, one of them verifying, half of them
-verifying a block, all of them), which price a step whose rows are known (`StepProfile.raw`); drafter
-proposals are timed for R requests, at full depth and, for a drafter that cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
+Target forwards of B tokens are timed as R = ceil(B / (gamma+1)) requests verifying (gamma+1)-token rows at a
+representative context length (the shape of a speculative step), and, for an engine that prices forwards by
+their rows (`GateConfig.rows`), on the request grid in the row shapes the engine's steps have (`row_shapes`: R
+one-token rows, one of them verifying, half of them verifying a block, all of them), which price a step whose
+rows are known (`StepProfile.raw`); drafter proposals are timed for R requests, at full depth and, for a
+drafter that cuts exactly, at one position. Proposals are timed with sampling rows (temperature 1) over the
 drafter's draft vocabulary; one that drafts batches that sample over every token
-(`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are priced by the
-sampling rows' time, which is more than an argmax block costs (13 against 25 ms for 64 requests,
-dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed
-requests where drafting lost, 0.92x plain decoding against 1.00x
-(`docs/results/online/greedy-price/`), since the gate's step model misses what a drafted step
-pays around the proposal under load (`docs/benchmarks.md`); a drafter that refines greedy proposals
-(`DrafterConfig.refine`: its block run again over its draft) is timed with greedy rows too, and priced at the
-dearer of the two. Each point is the least of a few
+(`NeuralDrafter.select_vocab`) is also timed drafting over every token, for `sampled_s`. Greedy batches are
+priced by the sampling rows' time, which is more than an argmax block costs (13 against 25 ms for 64 requests,
+dspark-small): timed with greedy rows, the proposal's lower price opened the gate at 16 mixed requests where
+drafting lost, 0.92x plain decoding against 1.00x (`docs/results/online/greedy-price/`), since the gate's step
+model misses what a drafted step pays around the proposal under load (`docs/benchmarks.md`); a drafter that
+refines greedy proposals (`DrafterConfig.refine`: its block run again over its draft) is timed with greedy
+rows too, and priced at the dearer of the two. Each point is the least of a few
 calls, taken in rounds that call every point in turn (`least`). Contexts are reserved in the real
 paged caches under throw-away ids and freed afterwards; their contents do not matter for
 timing, but the drafter's are written through its own `extend`, so that a drafter keeping
@@ -172,7 +171,7 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
 
     split = getattr(drafter, "splits_vocab", False)
 
-    refines = bool(getattr(drafter.config, "refine", 0))
+    refines = bool(drafter.config.refine)
 
     def draft_time(inputs: list[ProposeInput], depth: int | None = None, every_token: bool = False) -> float:
         rows = SamplingRows.same(len(inputs), SamplingParams(temperature=1.0), base.device)

@@ -59,8 +59,9 @@ class DrafterTrainConfig:
     batch_size: int = 8
     anchors_per_seq: int = 16
     walked: float = 0.0  # share of each answer's anchors drawn from its greedy walk's round starts (`dspark train walk`)
-    fed: float = 0.0  # dspark/dflash with a causal block: share of blocks whose slots read the text's tokens instead of
-    #                   masks (slot k then predicts x_{k+1} from x_0..x_k), what a refining pass sees (`DrafterConfig.refine`)
+    fed: float = 0.0  # dspark/dflash with a causal block: share of blocks whose slots read the text's tokens instead
+    #                   of masks (slot k then predicts x_{k+1} from x_0..x_k), what a refining pass sees
+    #                   (`DrafterConfig.refine`)
     max_steps: int = 2000
     lr: float = 1e-3
     warmup_steps: int = 100
@@ -176,7 +177,7 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
     exact on greedy answers, `dspark train regen --temperature 0`, where the text is the target's
     argmax at every position)."""
     acc_sum, count, conf_err, hits, tried, fed_hits, fed_tried = torch.zeros(7, gamma, device=train_device(cfg))
-    refines = getattr(drafter.config, "causal_block", False) and drafter.config.kind in ("dspark", "dflash")
+    refines = drafter.config.refinable
     drafter.eval()
     for i in range(cfg.eval_batches):
         batch = dataclasses.replace(batch_at(rows, cfg, gamma, 10**9 + i, 0, pad), fed=None)

@@ -105,13 +105,15 @@ def walked(rows: Sequence[dict], chains: Sequence[dict[int, int]], cfg: DrafterT
 
 
 @torch.no_grad()
-def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> dict[str, dict[int, int]]:
+def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int,
+             refining: bool = True) -> dict[str, dict[int, int]]:
     """{"walk": {anchor position: drafts of its teacher-forced block that match the target's argmax up to the first
-    miss}} for every response position of one answer (empty where it has none); for a causal block's drafter also
-    "refined_walk", the same for one refining pass's draft (`refined_survival`), and "fed_walk", for blocks fed the
-    text's tokens (what refining passes could reach at most: every slot reads the true draft before it)."""
+    miss}} for every response position of one answer (empty where it has none); with refining, for a drafter that
+    can refine (`DrafterConfig.refinable`) also "refined_walk", the same for one refining pass's draft
+    (`refined_survival`), and "fed_walk", for blocks fed the text's tokens (what refining passes could reach at
+    most: every slot reads the true draft before it)."""
     gamma, length = drafter.config.gamma, last_of(row, cfg) + 1
-    refines = getattr(drafter.config, "causal_block", False) and drafter.config.kind in ("dspark", "dflash")
+    refines = refining and drafter.config.refinable
     names = ("walk", "refined_walk", "fed_walk") if refines else ("walk",)
     every = max(1, length - 1 - len(row["prompt_ids"]))  # every anchor, in a window as long as the answer
     batch = make_batch([row], length, gamma, every, np.random.default_rng(0), pad)
@@ -123,11 +125,13 @@ def chain_of(drafter, target, row: dict, cfg: DrafterTrainConfig, pad: int) -> d
     target_ids = t_logits.argmax(-1)
     survived = {"walk": torch.cumprod((logits.argmax(-1) == target_ids).long(), -1)}
     if refines:
-        fed, _ = drafter.train_forward(taps, batch.tokens, batch.anchors, fed=torch.ones_like(batch.anchors, dtype=torch.bool))
+        every = torch.ones_like(batch.anchors, dtype=torch.bool)
+        fed, _ = drafter.train_forward(taps, batch.tokens, batch.anchors, fed=every)
         survived["refined_walk"] = refined_survival(logits, fed, t_logits).long()
         survived["fed_walk"] = torch.cumprod((fed.argmax(-1) == target_ids).long(), -1)
     anchors = batch.anchors[0].tolist()
-    return {name: dict(zip(anchors, (s * batch.valid)[0].sum(-1).tolist(), strict=True)) for name, s in survived.items()}
+    return {name: dict(zip(anchors, (s * batch.valid)[0].sum(-1).tolist(), strict=True))
+            for name, s in survived.items()}
 
 
 def last_of(row: dict, cfg: DrafterTrainConfig) -> int:

@@ -32,8 +32,8 @@ def write_walks(cfg: DrafterTrainConfig, drafter_dir: str, data: str, out: str) 
     with open(path, "w") as f:
         for row in tqdm(rows, desc="walk"):
             start = len(row["prompt_ids"])
-            walked = rounds_along(chain_of(drafter, target, row, cfg, tok.pad_id)["walk"], start, last_of(row, cfg),
-                                  drafter.config.gamma)
+            chain = chain_of(drafter, target, row, cfg, tok.pad_id, refining=False)["walk"]
+            walked = rounds_along(chain, start, last_of(row, cfg), drafter.config.gamma)
             rounds, tokens = rounds + len(walked), tokens + sum(n + 1 for n, _ in walked)
             f.write(json.dumps({**row, "walk": starts_of(walked, start)}) + "\n")
     return {"rows": len(rows), "rounds": rounds, "walk_tau": round(tokens / max(1, rounds), 4), "out": str(path)}

@@ -130,7 +130,7 @@ def test_early_probes_fit_the_explore_budget():
 
 
 def test_a_probe_drafts_for_a_rotating_few():
-    gate = Gate(GateConfig(probe_requests=2), stats(accept=False), profile(draft_s=0.05))
+    gate = Gate(GateConfig(probe_requests=2), stats(accept=False), profile(draft_s=0.05))  # a profile that cannot cut
     decode = list("abcde")
     assert gate.probe_subset(decode, 0) == ["a", "b"]
     assert gate.probe_subset(decode, 4) == ["e", "a"]
@@ -432,20 +432,39 @@ def test_gate_drafts_the_whole_block_for_one_request_and_one_position_under_load
     assert gate.should_draft(1, [GAMMA]) and gate.depth == GAMMA
     gate.memo = None
     assert gate.should_draft(64, [GAMMA] * 64) and gate.depth == 1
-    # the same drafter priced as one that cannot cut, or a gate that does not cut (the default): under load the
-    # full block does not pay at all
-    for gate in (Gate(GateConfig(optimism=0.0, cut=True), half_accepted(), loaded_profile(shallow=False)),
-                 Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile())):
+    # the same drafter priced as one that cannot cut, or a gate that does not cut: under load the full block does
+    # not pay at all
+    for gate in (Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile(shallow=False)),
+                 Gate(GateConfig(optimism=0.0, cut=False), half_accepted(), loaded_profile())):
         assert not gate.should_draft(64, [GAMMA] * 64)
 
 
-def test_a_shallower_block_must_win_by_the_margin():
-    """The deepest block whose rate is within depth_margin of the best is drafted (Algorithm 1 then verifies
-    deep positions of confident requests, which the gate's mean acceptance undervalues)."""
-    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.010, 0.010], requests=[1], draft_s=[0.0100], gamma=GAMMA,
-                       shallow_s=[0.0001])  # rates by depth: 173, 168, 150, 138 tokens/s; plain 100
-    for margin, depth in ((0.0, 1), (0.05, 2), (0.5, GAMMA)):
+def test_a_deeper_block_must_win_by_the_margin():
+    """The shallowest block whose rate is within depth_margin of the best is drafted: the estimates of deep positions
+    come from the rounds the policy verified that deep, and a deep proposal for many requests costs more than the
+    profile's line says."""
+    prof = StepProfile("test", tokens=[1, 8], verify_s=[0.010, 0.010], requests=[1], draft_s=[0.0011], gamma=GAMMA,
+                       shallow_s=[0.0010])  # rates by depth: 159, 204, 226, 248 tokens/s; plain 100
+    for margin, depth in ((0.0, GAMMA), (0.05, GAMMA), (0.2, 2), (0.5, 1)):
         assert Gate(GateConfig(optimism=0.0, cut=True, depth_margin=margin), half_accepted(), prof).predict(1, [GAMMA]) == depth
+
+
+def test_under_load_a_probe_drafts_one_position_for_every_request():
+    """Where the gate picks the depth, a probe among more requests than a narrow one takes drafts one position for
+    all of them (it learns the first position's acceptance from every one, in the shape an open gate drafts), and
+    is priced so; without cut, or among as few requests as a narrow probe takes, it drafts the whole block for a
+    rotating few."""
+    broad = Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile())
+    decode = list("abcde")
+    assert broad.broad(5) and broad.probe_subset(decode, 3) == decode and broad.probe_depth(5) == 1
+    prof = loaded_profile()
+    plain = prof.plain(64)
+    assert broad.probe_cost(64) == pytest.approx((prof.cost(64, 128, 1, rows=64) - plain) / plain)
+    assert not broad.broad(2) and broad.probe_subset(decode[:2], 1) == ["a", "b"] and broad.probe_depth(2) is None
+    for narrow in (Gate(GateConfig(probe_requests=2, cut=False), stats(accept=False), loaded_profile()),
+                   Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(shallow=False))):
+        assert not narrow.broad(5) and narrow.probe_subset(decode, 4) == ["e", "a"] and narrow.probe_depth(5) is None
+        assert narrow.probe_cost(64) == pytest.approx((prof.cost(2, 66, rows=64) - plain) / plain)
 
 
 def test_probes_priced_by_what_they_were_measured_to_cost():

@@ -75,10 +75,10 @@ class GateConfig:
     judge_after: int = 16  # caution applies once this many first draft positions were verified: on
     # the prior alone (0.5, less its standard error) the gate closed on the first step and its rare
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
-    cut: bool = False  # pick the depth too (drafters that cut exactly, profiles that price it). Off: on dspark-small
-    # it opened the gate at one or two positions where the full block kept it closed, and lost to plain decoding at
-    # 16 requests (mixed 0.954x, hostile 0.906x; docs/results/online/gate-depth/): the gate's step model, decoding
-    # requests alone, misses what the engine really pays around a drafted step under load
+    cut: bool = True  # pick the depth too (drafters that cut exactly, profiles that price it), the shallowest whose
+    # rate is within depth_margin of the best, with broad probes under load (`broad`). Side by side with it off on
+    # dspark-small (docs/results/online/gate-cut/): level at one request and at 64, ahead at 4 and 16 (mixed, hostile
+    # and agent traces). Off, the full block is drafted or nothing, and under load nothing pays
     select: bool = False  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none
@@ -88,7 +88,11 @@ class GateConfig:
     # it off (docs/results/online/rows/): level at one request, within 5% either way at 4, 16 and 64 (mixed and
     # hostile), and 9% behind on agent traces at 16 under `auto`, where it verified fewer of the copy drafter's
     # tokens: not the default
-    depth_margin: float = 0.02  # a shallower draft is chosen only when it beats every deeper one by this fraction
+    depth_margin: float = 0.02  # a deeper draft is chosen only when it beats every shallower one by this fraction:
+    # the estimates of deep positions come from the rounds the policy chose to verify that deep (its confident ones),
+    # and a deep proposal for many requests costs more than the profile's line between one position and the full
+    # block. Preferring the deeper within 2% drafted 4-7 positions at 16 requests, 652 tok/s where one position
+    # for every request ran 700 (mixed, lockstep, dspark-small)
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
     # evidence. At 0, the README's first command (a fresh engine, one request) closed after two
@@ -192,10 +196,25 @@ class Gate:
         """What a probe adds to a plain step of these requests, in plain steps: the profile's price, or
         what probes were measured to cost where that is more (`observe_probe`)."""
         assert self.profile is not None
-        k = min(self.cfg.probe_requests, num_requests)
+        k = num_requests if self.broad(num_requests) else min(self.cfg.probe_requests, num_requests)
         plain = self.profile.plain(num_requests)
-        priced = max(0.0, (self.profile.cost(k, num_requests + k, rows=num_requests) - plain) / plain)  # >= 1 token each
+        drafted = self.profile.cost(k, num_requests + k, self.probe_depth(num_requests), rows=num_requests)
+        priced = max(0.0, (drafted - plain) / plain)  # >= 1 token each
         return priced if self.probe_extra is None else max(priced, self.probe_extra)
+
+    def broad(self, num_requests: int) -> bool:
+        """Whether a probe drafts one position for every request rather than the whole block for a few: where the
+        gate picks the depth (`cut`, a profile that prices a shallow proposal) and more requests decode than a
+        narrow probe takes. Under load the verdict turns on the first position, and a narrow probe learned it two
+        observations at a time: at 16 requests on dspark-small a few unlucky first rounds held the estimate at
+        0.41-0.47 (one position, every request, accepted 0.575 in the same run) and the gate closed where drafting
+        one position won 9%; one broad probe observes it for every request, in the shape an open gate drafts."""
+        return self.cfg.cut and self.profile is not None and self.profile.cuts and num_requests > self.cfg.probe_requests
+
+    def probe_depth(self, num_requests: int) -> int | None:
+        """The positions a probe drafts: one for a broad probe, else the whole block (None), to learn every
+        position's acceptance."""
+        return 1 if self.broad(num_requests) else None
 
     def observe_probe(self, num_requests: int, seconds: float) -> None:
         """A probe among num_requests decoding requests took these seconds, catching up included. The
@@ -236,10 +255,10 @@ class Gate:
         return self.idle or self.open or self.wait + 1 >= self.interval
 
     def probe_subset(self, decode: Sequence, step: int) -> list:
-        """The requests a probe drafts for: a window of `probe_requests`, rotating with the step,
-        so a probe at 64 requests costs a draft for two, not for 64."""
+        """The requests a probe drafts for: every one for a broad probe (`broad`), else a window of
+        `probe_requests`, rotating with the step, so a probe at 64 requests costs a draft for two, not for 64."""
         k = self.cfg.probe_requests
-        if len(decode) <= k:
+        if len(decode) <= k or self.broad(len(decode)):
             return list(decode)
         return [decode[(step + i) % len(decode)] for i in range(k)]
 
@@ -291,9 +310,7 @@ class Gate:
         budget beats plain decoding by the most (depth 0: none beats it). Until `judge_after`
         first draft positions were verified there is too little to be cautious about: the estimates are
         taken at face value (the prior, 0.5 per position, at first), so a drafter that could pay is tried
-        and one that could not even then is not. A shallower block must win by `depth_margin`: the
-        gate prices every request at the mean acceptance, while the policy verifies a confident
-        request's deep positions that the mean undervalues."""
+        and one that could not even then is not. A deeper block must win by `depth_margin`."""
         assert self.profile is not None
         deepest = max(caps, default=0)
         cands = candidates(self.estimates(num_requests, own), caps)
@@ -309,7 +326,7 @@ class Gate:
                 if d not in best_at or v > best_at[d][0]:
                     best_at[d] = (v, m)
         best = max((v for v, _ in best_at.values()), default=0.0)
-        depth = max((d for d, (v, _) in best_at.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)),
+        depth = min((d for d, (v, _) in best_at.items() if v > plain and v >= best * (1 - self.cfg.depth_margin)),
                     default=0)
         if depth == 0 or best_at[depth][1] == num_requests:
             return Verdict(depth)

@@ -462,7 +462,8 @@ def test_under_load_a_probe_drafts_one_position_for_every_request():
     assert broad.probe_cost(64) == pytest.approx((prof.cost(64, 128, 1, rows=64) - plain) / plain)
     assert not broad.broad(2) and broad.probe_subset(decode[:2], 1) == ["a", "b"] and broad.probe_depth(2) is None
     for narrow in (Gate(GateConfig(probe_requests=2, cut=False), stats(accept=False), loaded_profile()),
-                   Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(shallow=False))):
+                   Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(shallow=False)),
+                   Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(), cuts=False)):
         assert not narrow.broad(5) and narrow.probe_subset(decode, 4) == ["e", "a"] and narrow.probe_depth(5) is None
         assert narrow.probe_cost(64) == pytest.approx((prof.cost(2, 66, rows=64) - plain) / plain)
 

@@ -97,6 +97,15 @@ def test_auto_and_dspark_plus_suffix_load(qwen3_dir):
                                                                        SamplingParams(temperature=0.0, max_tokens=6,
                                                                                       ignore_eos=True))]
         assert llm.engine.drafter.config.kind == ("suffix" if name == "suffix" else "auto")
+    # the router never proposes a cut block (a copy is whole), so its gate drafts the whole block or nothing; the
+    # causal-block drafter alone lets the gate pick the depth
+    assert not d.cuts_exactly and d.neural.cuts_exactly
+    gates = [LLM(str(qwen3_dir), drafter=name, policy="dspark", profile="off", device="cpu").engine.runner.gate
+             for name in (f"{path}+suffix", str(path))]
+    assert [g.cuts for g in gates] == [False, True] and gates[0].cfg.cut
+    gates[0].profile = gates[1].profile = StepProfile("test", tokens=[1, 512], verify_s=[0.01, 0.1], requests=[1, 64],
+                                                      draft_s=[0.002, 0.04], gamma=7, shallow_s=[0.002, 0.004])
+    assert not gates[0].picks_depth and not gates[0].broad(64) and gates[1].picks_depth and gates[1].broad(64)
 
 
 @pytest.mark.parametrize("policy", ["static:7", "dspark"])

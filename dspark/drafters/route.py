@@ -153,7 +153,11 @@ class RoutedDrafter(Drafter):
 
     @property
     def cuts_exactly(self) -> bool:
-        return self.neural.cuts_exactly
+        """No: a copy proposal is whole at any depth, and the router weighs each request's neural expectation over
+        the whole block. A gate that cut the neural proposals routed requests to a drafter it then starved: `auto` at
+        16 agent requests ran 1.13x plain where the whole block ran 1.27x (`docs/results/online/gate-cut/`). A
+        static:k policy still cuts the neural part (it proposes at the depth asked)."""
+        return False
 
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         block = self.copy.propose(inputs, rows)

@@ -139,8 +139,11 @@ class Gate:
     given its costly drafter (the copy drafter costs about nothing), not for all of them.
     """
 
-    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None) -> None:
+    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None, cuts: bool = True) -> None:
+        """cuts: whether the drafter proposes fewer positions when asked (`Drafter.cuts_exactly`); with `cut`, and a
+        profile that prices a shallower proposal, the gate then picks the depth."""
         self.cfg, self.stats, self.profile = cfg, stats, profile
+        self.cuts = cuts
         self.wait, self.interval = 0, cfg.probe_every
         self.probing = False
         self.open = True  # the last verdict (slots are reserved for the first step)
@@ -209,7 +212,12 @@ class Gate:
         observations at a time: at 16 requests on dspark-small a few unlucky first rounds held the estimate at
         0.41-0.47 (one position, every request, accepted 0.575 in the same run) and the gate closed where drafting
         one position won 9%; one broad probe observes it for every request, in the shape an open gate drafts."""
-        return self.cfg.cut and self.profile is not None and self.profile.cuts and num_requests > self.cfg.probe_requests
+        return self.picks_depth and num_requests > self.cfg.probe_requests
+
+    @property
+    def picks_depth(self) -> bool:
+        """Whether verdicts choose the depth: `cut`, a drafter that cuts exactly, a profile that prices it."""
+        return self.cfg.cut and self.cuts and self.profile is not None and self.profile.cuts
 
     def probe_depth(self, num_requests: int) -> int | None:
         """The positions a probe drafts: one for a broad probe, else the whole block (None), to learn every
@@ -319,7 +327,7 @@ class Gate:
         plain = num_requests / self.profile.plain(num_requests)
         verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
         best_at: dict[int, tuple[float, int]] = {}  # depth -> (rate, m) of its best subset size
-        for d in (range(1, deepest + 1) if self.cfg.cut and self.profile.cuts else [deepest]):
+        for d in (range(1, deepest + 1) if self.picks_depth else [deepest]):
             for m in sizes:
                 v = self.rate(num_requests, m, (c for c in cands if c.position <= d and rank[c.request] < m), d,
                               verified)

@@ -42,7 +42,8 @@ class SpeculativeRunner:
         self.stats = AcceptanceStats(self.gamma)
         self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate (keeps_records)
         use_gate = (gate or GateConfig()).enabled and policy.needs_cost
-        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, self.profile) if use_gate else None
+        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, self.profile, drafter.cuts_exactly) \
+            if use_gate else None
         self.device = base.device
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()

@@ -35,7 +35,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="draft from the N most frequent tokens (0: all; default: the drafter's own setting; "
                         "counts from `dspark draft-vocab`)")
     p.add_argument("--gate", default="", metavar="KEY=VALUE,...",
-                   help="options of the never-slower gate of the dspark policies, e.g. enabled=0 or cut=1 "
+                   help="options of the never-slower gate of the dspark policies, e.g. enabled=0 or cut=0 "
                         "(`GateConfig` in dspark/engine/gate.py)")
 
 

@@ -27,7 +27,7 @@ class LLM:
         threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
         shipped dspark drafter and policy on the built-in models, plain decoding elsewhere).
         draft_vocab: draft from the N most frequent tokens (0: all; None: the drafter's own setting;
-        `dspark draft-vocab`). gate: the never-slower gate's options, a GateConfig or 'enabled=0,cut=1'
+        `dspark draft-vocab`). gate: the never-slower gate's options, a GateConfig or 'enabled=0,cut=0'
         (None: the defaults)."""
         cfg = engine_config or EngineConfig(**engine_kwargs)
         if isinstance(gate, str):

@@ -77,8 +77,8 @@ class GateConfig:
     # probes never gathered the evidence to reopen, even where drafting won 1.3x
     cut: bool = True  # pick the depth too (drafters that cut exactly, profiles that price it), the shallowest whose
     # rate is within depth_margin of the best, with broad probes under load (`broad`). Side by side with it off on
-    # dspark-small (docs/results/online/gate-cut/): level at one request and at 64, ahead at 4 and 16 (mixed, hostile
-    # and agent traces). Off, the full block is drafted or nothing, and under load nothing pays
+    # dspark-small (docs/results/online/gate-cut/): level at one greedy request and at 64, ahead at 4 and 16 (mixed,
+    # hostile, agent traces) and at one sampling request. Off, the full block is drafted or nothing
     select: bool = False  # draft only for the requests whose estimates pay: the best m by expected accepted tokens
     # (own record blended with everyone's), m chosen with Algorithm 1's throughput on a ladder of sizes; off:
     # one verdict for every decoding request, all drafted or none

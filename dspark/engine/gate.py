@@ -210,7 +210,7 @@ class Gate:
         gate picks the depth (`cut`, a profile that prices a shallow proposal) and more requests decode than a
         narrow probe takes. Under load the verdict turns on the first position, and a narrow probe learned it two
         observations at a time: at 16 requests on dspark-small a few unlucky first rounds held the estimate at
-        0.41-0.47 (one position, every request, accepted 0.575 in the same run) and the gate closed where drafting
+        0.2-0.47 (one position, every request, accepted 0.575 in the same run) and the gate closed where drafting
         one position won 9%; one broad probe observes it for every request, in the shape an open gate drafts."""
         return self.picks_depth and num_requests > self.cfg.probe_requests
 

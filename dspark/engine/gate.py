@@ -91,8 +91,8 @@ class GateConfig:
     depth_margin: float = 0.02  # a deeper draft is chosen only when it beats every shallower one by this fraction:
     # the estimates of deep positions come from the rounds the policy chose to verify that deep (its confident ones),
     # and a deep proposal for many requests costs more than the profile's line between one position and the full
-    # block. Preferring the deeper within 2% drafted 4-7 positions at 16 requests, 652 tok/s where one position
-    # for every request ran 700 (mixed, lockstep, dspark-small)
+    # block. Preferring the deeper within 2% drafted 4-7 positions at 16 requests (mixed, lockstep, dspark-small),
+    # and its drafted steps emitted fewer tokens per second than one position for every request
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
     # evidence. At 0, the README's first command (a fresh engine, one request) closed after two
@@ -209,9 +209,10 @@ class Gate:
         """Whether a probe drafts one position for every request rather than the whole block for a few: where the
         gate picks the depth (`cut`, a profile that prices a shallow proposal) and more requests decode than a
         narrow probe takes. Under load the verdict turns on the first position, and a narrow probe learned it two
-        observations at a time: at 16 requests on dspark-small a few unlucky first rounds held the estimate at
-        0.2-0.47 (one position, every request, accepted 0.575 in the same run) and the gate closed where drafting
-        one position won 9%; one broad probe observes it for every request, in the shape an open gate drafts."""
+        observations at a time: at 16 requests on dspark-small a few unlucky first rounds held the estimate well
+        below the 0.575 that one position for every request was accepted, and the gate stayed closed where drafting
+        it ran 1.04-1.07x plain (docs/results/online/gate-cut/); one broad probe observes it for every request, in
+        the shape an open gate drafts."""
         return self.picks_depth and num_requests > self.cfg.probe_requests
 
     @property

@@ -167,3 +167,19 @@ def test_a_refining_drafter_is_lossless_and_profiled_on_its_own(qwen3_dir, refer
         shutil.copytree(paths[refine], tmp_path / "drafter")
         build_engine(str(qwen3_dir), str(tmp_path / "drafter"), "dspark", cfg)
     assert len(list(cache.glob("*.json"))) == 2
+
+
+def test_one_position_is_timed_only_where_a_step_may_draft_it(qwen3_dir, tmp_path, monkeypatch):
+    """A causal block cuts exactly: its profile times a one-position proposal beside the full one. The router over
+    it and the copy drafter never drafts a cut block (a copy is whole), so its profile, which times the same neural
+    drafter, leaves that out."""
+    net, tok = load_model(qwen3_dir)
+    torch.manual_seed(0)
+    config = new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, causal_block=True)
+    path = tmp_path / "causal"
+    save_drafter(new_drafter(config), config, path)  # type: ignore[arg-type]
+    cfg = EngineConfig(device="cpu", max_num_seqs=2, max_num_batched_tokens=24)
+    for name, timed in ((str(path), True), (f"{path}+suffix", False)):
+        fresh_dir(tmp_path, monkeypatch, f"one-{timed}")
+        runner = build_engine(str(qwen3_dir), name, "dspark", cfg).runner
+        assert bool(runner.profile.shallow_s) == timed == runner.gate.picks_depth, name

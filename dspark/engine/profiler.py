@@ -196,7 +196,8 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
         row_s = [[next(timed) for _ in shapes[r]] for r in shapes]  # back into one list per row count
         try:
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
-            cuts = drafter.cuts_exactly and gamma > 1
+            # one position is timed only where a step may draft it: a router's neural part cuts, the router does not
+            cuts = runner.drafter.cuts_exactly and gamma > 1
             points = [partial(draft_time, inputs[:r], depth) for depth in ((None, 1) if cuts else (None,)) for r in requests]
             points += [partial(draft_time, inputs[:r], None, True) for r in requests] if split else []
             drafted = least(points, repeats)

@@ -466,6 +466,13 @@ def test_under_load_a_probe_drafts_one_position_for_every_request():
                    Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(), cuts=False)):
         assert not narrow.broad(5) and narrow.probe_subset(decode, 4) == ["e", "a"] and narrow.probe_depth(5) is None
         assert narrow.probe_cost(64) == pytest.approx((prof.cost(2, 66, rows=64) - plain) / plain)
+        narrow.probing = True
+        assert narrow.step_depth(5, None) is None and narrow.step_depth(5, 3) == 3  # the policy's deepest
+    # the step drafts a probe's depth while probing, else the verdict's
+    broad.probing, broad.depth = True, 4
+    assert broad.step_depth(5, None) == 1 and broad.step_depth(5, 3) == 1
+    broad.probing = False
+    assert broad.step_depth(5, None) == 4
 
 
 def test_probes_priced_by_what_they_were_measured_to_cost():

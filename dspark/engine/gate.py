@@ -225,6 +225,11 @@ class Gate:
         position's acceptance."""
         return 1 if self.broad(num_requests) else None
 
+    def step_depth(self, num_requests: int, deepest: int | None) -> int | None:
+        """The positions this step drafts for num_requests decoding requests: the verdict's (None: gamma), or a
+        probe's (`probe_depth`; a narrow probe drafts `deepest`, the most the policy verifies)."""
+        return (self.probe_depth(num_requests) or deepest) if self.probing else self.depth
+
     def observe_probe(self, num_requests: int, seconds: float) -> None:
         """A probe among num_requests decoding requests took these seconds, catching up included. The
         profile prices a drafted step with the drafter's context written and every kernel warm; a probe

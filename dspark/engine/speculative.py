@@ -96,10 +96,8 @@ class SpeculativeRunner:
         drafted_ids = {id(s) for s in decode}
         plain = [s for s in scheduled if id(s) not in drafted_ids]
         block, lengths = None, [0] * len(decode)
-        # the gate's depth (None: gamma); a probe drafts the whole block, to learn every position's acceptance, or
-        # under load one position for every request (`Gate.broad`)
-        depth = self.policy.deepest if self.gate is None else self.gate.depth if not self.gate.probing \
-            else self.gate.probe_depth(decoding) or self.policy.deepest
+        deepest = self.policy.deepest
+        depth = deepest if self.gate is None else self.gate.step_depth(decoding, deepest)  # None: gamma
         if decode:
             self.drafter.extend(self.pending.take([s.request for s in decode]))
             caught_up = time.perf_counter()

@@ -44,6 +44,9 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov", 
     if getattr(d, "anchor", None) is not None:
         with torch.no_grad():
             d.anchor.down_proj.weight.normal_(0, 0.3)
+    for mlp in getattr(getattr(d, "backbone", None), "slot_mlps", None) or ():
+        with torch.no_grad():
+            mlp.down.normal_(0, 0.3)
     ids = torch.tensor([context])
     with torch.no_grad():
         _, taps = target.forward_dense(ids, d.taps)
@@ -127,6 +130,57 @@ def test_anchor_mlp_starts_as_the_drafter_it_grows_from(target):
     with pytest.raises(ValueError, match="anchor slot"):
         new_config("dflash", target.config, 5, anchor_mlp=32)
     with pytest.raises(ValueError, match="anchor_mlp"):
+        check_exportable(grown.config)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_slot_mlp_serving_equals_teacher_forced(target, causal):
+    """Each slot's own MLPs run in both paths (a flat serving batch and dense training blocks alike), and a slot's
+    MLP moves that slot: zeroing the first slot's moves the first position."""
+    context = list(range(3, 20))
+    d, block, logits, _ = serve_vs_train("dspark", target, context, slot_mlp=16, causal_block=causal)
+    assert block.tokens[0].tolist() == logits.argmax(-1).tolist()
+    without = teacher_forced_without(d, target, context, block, d.backbone.slot_mlps[1].down)
+    assert not torch.allclose(logits, without, atol=1e-3)
+
+
+def test_slot_mlps_are_per_slot_and_cut_with_the_block(target):
+    """A causal block drafted one position deep runs only the first slot's MLPs: the same first token and
+    confidence as the whole block's; and changing slot 2's weights leaves slots 0 and 1 unchanged."""
+    context = list(range(3, 20))
+    d = bound("dspark", target, slot_mlp=16, causal_block=True)
+    with torch.no_grad():
+        for mlp in d.backbone.slot_mlps:
+            mlp.down.normal_(0, 0.3)
+        _, taps = target.forward_dense(torch.tensor([context]), d.taps)
+    d.extend([ContextRow("r", 0, context[:-1], taps[0, :-1])])
+    greedy = SamplingRows.same(1, SamplingParams(temperature=0.0))
+    inp = [ProposeInput("r", context[-1], len(context) - 1, context)]
+    whole, one = d.propose(inp, greedy), d.propose(inp, greedy, 1)
+    assert one.tokens[0, 0] == whole.tokens[0, 0]
+    assert torch.allclose(one.confidence[0, 0], whole.confidence[0, 0], atol=1e-6)
+    block = d.propose(inp, greedy)
+    full = torch.tensor([context + block.tokens[0].tolist()])
+    with torch.no_grad():
+        _, taps_full = target.forward_dense(full, d.taps)
+        before, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]))
+        d.backbone.slot_mlps[0].down[2].normal_(0, 0.3)
+        after, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]))
+    assert torch.allclose(before[0, 0, :2], after[0, 0, :2], atol=1e-5)
+    assert not torch.allclose(before[0, 0, 2], after[0, 0, 2], atol=1e-3)
+
+
+def test_slot_mlp_starts_as_the_drafter_it_grows_from(target):
+    from dspark.drafters.formats.deepspec import check_exportable
+    from dspark.train.surgery import with_slot_mlp
+
+    d = bound("dspark", target)
+    grown = with_slot_mlp(d, 24)
+    (a, ca), (b, cb) = old_and_grown(d, grown, target)
+    assert grown.config.slot_mlp == 24 and torch.equal(a, b) and torch.equal(ca, cb)
+    with pytest.raises(ValueError, match="slot_mlp"):
+        new_config("dflash", target.config, 5, slot_mlp=32)
+    with pytest.raises(ValueError, match="slot_mlp"):
         check_exportable(grown.config)
 
 

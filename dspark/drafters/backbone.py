@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from dspark.config import ModelConfig
 from dspark.drafters.base import DrafterConfig
+from dspark.drafters.slots import SlotMLP
 from dspark.models.attention import AttentionMetadata, write_kv
 from dspark.models.decoder import DecoderLayer, KVLayer
 from dspark.models.layers import RMSNorm, Rotary, apply_rope
@@ -46,6 +47,8 @@ class Backbone(nn.Module):
         if self.residual is not None:
             nn.init.zeros_(self.residual.weight)
         self.layers = nn.ModuleList(DecoderLayer(lc) for _ in range(cfg.num_layers))
+        self.slot_mlps = nn.ModuleList(SlotMLP(cfg.slots, cfg.hidden_size, cfg.slot_mlp) for _ in self.layers) \
+            if cfg.slot_mlp else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
 
@@ -77,24 +80,32 @@ class Backbone(nn.Module):
         for layer, (kc, vc) in zip(self.layers, cache, strict=True):
             write_kv(kc, vc, slots, *self.context_kv(layer, h_ctx, cos, sin))
 
-    def forward_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer]) -> torch.Tensor:
-        """Block embeddings x [N, d] (non-causal meta) -> final-normed hidden [N, d]."""
+    def after_layer(self, i: int, x: torch.Tensor, slots: int) -> torch.Tensor:
+        """Layer i's output x [..., n*slots, d] (blocks of `slots` slots in a row) with each slot's own MLP added."""
+        if self.slot_mlps is None:
+            return x
+        return self.slot_mlps[i](x.view(*x.shape[:-2], -1, slots, x.shape[-1])).view(x.shape)
+
+    def forward_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer],
+                      slots: int = 1) -> torch.Tensor:
+        """Block embeddings x [N, d] (N = requests x slots, each request's slots in a row) -> final-normed
+        hidden [N, d]."""
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        for layer, kv in zip(self.layers, cache, strict=True):
-            x = layer(x, cos, sin, meta, kv)
+        for i, (layer, kv) in enumerate(zip(self.layers, cache, strict=True)):
+            x = self.after_layer(i, layer(x, cos, sin, meta, kv), slots)
         return self.norm(x)
 
     # ---- training path -----------------------------------------------------------------
     def forward_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
-        """x [B, Q, d] block embeddings at positions block_pos [B, Q]; h_ctx [B, T, d];
+                      mask: torch.Tensor, slots: int = 1) -> torch.Tensor:
+        """x [B, Q, d] block embeddings (Q = blocks x slots) at positions block_pos [B, Q]; h_ctx [B, T, d];
         mask [B, 1, Q, T+Q] (True = attend) -> final-normed hidden [B, Q, d]."""
         ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)
         ccos, csin = self.rotary.cos_sin(ctx_pos, x.dtype)
         bcos, bsin = self.rotary.cos_sin(block_pos, x.dtype)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             ck, cv = self.context_kv(layer, h_ctx, ccos, csin)
-            x = layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask)
+            x = self.after_layer(i, layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask), slots)
         return self.norm(x)
 
 

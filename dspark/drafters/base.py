@@ -71,6 +71,8 @@ class DrafterConfig:
     #                  whose slots read what the pass itself drafted before it)
     anchor_mlp: int = 0  # dspark: width of a gated MLP only the anchor slot runs on its final hidden (0: none), the
     #                      first position's own parameters where every other weight serves the whole block
+    slot_mlp: int = 0  # dspark: width of a gated MLP each block slot runs on its own after every backbone layer (0:
+    #                    none; `drafters/slots.py`): per-slot weights inside the backbone, whose layers the slots share
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
     serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
@@ -107,6 +109,8 @@ class DrafterConfig:
         if self.anchor_mlp and (self.kind not in ("dspark", "auto") or not self.anchor_slot):
             raise ValueError(f"anchor_mlp runs on a DSpark block's anchor slot, which a {self.kind} drafter "
                              f"(anchor_slot={self.anchor_slot}) does not predict from")
+        if self.slot_mlp and self.kind not in ("dspark", "auto"):
+            raise ValueError(f"slot_mlp gives each slot of a DSpark block its own MLP, not a {self.kind} drafter's")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 

@@ -128,7 +128,8 @@ class BlockDrafter(NeuralDrafter):
         """Final hidden states [R, g, d] of one pass over the blocks' slot ids [R, g] (their K/V written into the
         temporary slots, over what an earlier pass wrote there)."""
         x = self.backbone.block_start(self.embed(ids), last).flatten(0, 1)  # [R*g, d]
-        return self.anchored(self.backbone.forward_paged(x, meta, self.cache.layers).view(*ids.shape, -1))
+        hidden = self.backbone.forward_paged(x, meta, self.cache.layers, ids.shape[-1])
+        return self.anchored(hidden.view(*ids.shape, -1))
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
@@ -208,7 +209,7 @@ class BlockDrafter(NeuralDrafter):
         h_ctx = self.backbone.context(taps)
         x = self.backbone.block_start(self.embed(self.fed_inputs(prev, fed)), before_anchor(h_ctx, anchors))
         hidden = self.anchored(
-            self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask).view(b, a, g, -1))
+            self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask, g).view(b, a, g, -1))
         logits = self.lm_head(hidden)
         conf, emb = None, None
         if self.head is not None:

@@ -34,7 +34,7 @@ from dspark.drafters.registry import new_config, new_drafter
 from dspark.train.anchors import BlockBatch, make_batch
 from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.losses import LossWeights, acceptance, drafter_loss
-from dspark.train.surgery import grow, reheaded, with_anchor_mlp, with_context_residual
+from dspark.train.surgery import grow, reheaded, with_anchor_mlp, with_context_residual, with_slot_mlp
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ class DrafterTrainConfig:
     context_residual: bool = False  # dspark/dflash: the feature before the anchor into every slot's residual
     causal_block: bool = False  # dspark/dflash: block slots see only the slots before them (any depth is exact)
     anchor_mlp: int = 0  # dspark: width of an MLP only the anchor slot runs (0: none; `DrafterConfig.anchor_mlp`)
+    slot_mlp: int = 0  # dspark: width of an MLP each block slot runs after every backbone layer (`DrafterConfig.slot_mlp`)
     rank: int = 0  # the sequential head's rank (0: 64 for a new drafter, init_from's own otherwise)
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
@@ -121,7 +122,8 @@ def build(cfg: DrafterTrainConfig, loaded=None):
     else:
         extra = {k: v for k, v in {"gamma": cfg.gamma, "num_layers": cfg.num_layers, "head": cfg.head,
                                    "taps": tuple(cfg.taps), "context_residual": cfg.context_residual,
-                                   "causal_block": cfg.causal_block, "anchor_mlp": cfg.anchor_mlp}.items() if v}
+                                   "causal_block": cfg.causal_block, "anchor_mlp": cfg.anchor_mlp,
+                                   "slot_mlp": cfg.slot_mlp}.items() if v}
         if cfg.kind == "dspark":
             extra["rank"] = cfg.rank or 64
         dcfg = new_config(cfg.kind, target.config, tok.token_id("<|mask|>") or 0, **extra)
@@ -251,7 +253,7 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     target trained further). Its STS temperatures are dropped: calibrate the new weights again.
     `cfg.taps` moves it to other target layers (as many as it reads), e.g. onto a target grown
     deeper (`train.target.deepen`: tiny's layer i is the grown model's layer 4i + 3); `num_layers`,
-    `context_residual`, `anchor_mlp`, `head` and `rank` grow it into another shape (`train/surgery.py`)."""
+    `context_residual`, `anchor_mlp`, `slot_mlp`, `head` and `rank` grow it into another shape (`train/surgery.py`)."""
     from dspark.drafters.registry import load_drafter
 
     drafter = load_drafter(cfg.init_from)
@@ -270,6 +272,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         drafter.config = drafter.config.replace(causal_block=True)
     if cfg.anchor_mlp and cfg.anchor_mlp != dcfg.anchor_mlp:
         drafter = with_anchor_mlp(drafter, cfg.anchor_mlp)
+    if cfg.slot_mlp and cfg.slot_mlp != dcfg.slot_mlp:
+        drafter = with_slot_mlp(drafter, cfg.slot_mlp)
     head, rank = cfg.head or dcfg.head, cfg.rank or dcfg.rank
     if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
         drafter = reheaded(drafter, head, rank)

@@ -6,7 +6,8 @@ nothing) to the old computation, so the first step continues from the old held-o
 - `grow`: more backbone layers (new output projections at zero);
 - `with_context_residual`: the feature before the anchor into every block slot (projection at zero);
 - `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r;
-- `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero).
+- `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero);
+- `with_slot_mlp`: an MLP of its own for every block slot after every backbone layer (output projections at zero).
 """
 
 from __future__ import annotations
@@ -42,6 +43,18 @@ def with_anchor_mlp(drafter, width: int):
                          f"with anchor_mlp={drafter.config.anchor_mlp}")
     wider, missing = rebuilt(drafter, anchor_mlp=width)
     assert sorted(missing) == ["anchor.down_proj.weight", "anchor.gate_proj.weight", "anchor.up_proj.weight"], missing
+    return wider
+
+
+def with_slot_mlp(drafter, width: int):
+    """A copy of a DSpark drafter whose block slots each run an MLP of their own after every backbone layer
+    (`drafters/slots.py`); their output projections start at zero, so it computes exactly what it did until training
+    moves them."""
+    if drafter.config.kind != "dspark" or drafter.config.slot_mlp:
+        raise ValueError(f"can give a dspark drafter without them slot MLPs, not a {drafter.config.kind} drafter "
+                         f"with slot_mlp={drafter.config.slot_mlp}")
+    wider, missing = rebuilt(drafter, slot_mlp=width)
+    assert all(k.startswith("backbone.slot_mlps.") for k in missing), missing
     return wider
 
 

@@ -96,6 +96,9 @@ def check_exportable(cfg: DrafterConfig) -> None:
     if cfg.anchor_mlp:
         raise ValueError("DeepSpec's DSpark has no anchor-slot MLP (anchor_mlp): this drafter's first proposal runs "
                          "weights that format (and the servers reading it) cannot hold")
+    if cfg.slot_mlp:
+        raise ValueError("DeepSpec's DSpark has no per-slot MLPs (slot_mlp): every slot of its block runs the same "
+                         "weights, which this drafter's do not")
 
 
 def write(drafter, target, out_dir: Path) -> Path:

@@ -119,17 +119,20 @@ def test_anchor_mlp_serving_equals_teacher_forced(target, causal):
     assert torch.allclose(logits[1:], without[1:], atol=1e-5)  # and no other: it runs after the backbone
 
 
-def test_anchor_mlp_starts_as_the_drafter_it_grows_from(target):
+@pytest.mark.parametrize(("field", "refused"), [("anchor_mlp", "anchor slot"), ("slot_mlp", "slot_mlp")])
+def test_a_drafter_grown_an_mlp_starts_as_the_drafter_it_grows_from(target, field, refused):
+    """The anchor slot's MLP and the per-slot MLPs start at zero: the grown drafter computes what the old one did;
+    neither is a DFlash option, and neither exports to DeepSpec's format."""
     from dspark.drafters.formats.deepspec import check_exportable
-    from dspark.train.surgery import with_anchor_mlp
+    from dspark.train import surgery
 
     d = bound("dspark", target)
-    grown = with_anchor_mlp(d, 48)
+    grown = getattr(surgery, f"with_{field}")(d, 24)
     (a, ca), (b, cb) = old_and_grown(d, grown, target)
-    assert grown.config.anchor_mlp == 48 and torch.equal(a, b) and torch.equal(ca, cb)
-    with pytest.raises(ValueError, match="anchor slot"):
-        new_config("dflash", target.config, 5, anchor_mlp=32)
-    with pytest.raises(ValueError, match="anchor_mlp"):
+    assert getattr(grown.config, field) == 24 and torch.equal(a, b) and torch.equal(ca, cb)
+    with pytest.raises(ValueError, match=refused):
+        new_config("dflash", target.config, 5, **{field: 32})
+    with pytest.raises(ValueError, match=field):
         check_exportable(grown.config)
 
 
@@ -168,20 +171,6 @@ def test_slot_mlps_are_per_slot_and_cut_with_the_block(target):
         after, _ = d.train_forward(taps_full, full, torch.tensor([[len(context) - 1]]))
     assert torch.allclose(before[0, 0, :2], after[0, 0, :2], atol=1e-5)
     assert not torch.allclose(before[0, 0, 2], after[0, 0, 2], atol=1e-3)
-
-
-def test_slot_mlp_starts_as_the_drafter_it_grows_from(target):
-    from dspark.drafters.formats.deepspec import check_exportable
-    from dspark.train.surgery import with_slot_mlp
-
-    d = bound("dspark", target)
-    grown = with_slot_mlp(d, 24)
-    (a, ca), (b, cb) = old_and_grown(d, grown, target)
-    assert grown.config.slot_mlp == 24 and torch.equal(a, b) and torch.equal(ca, cb)
-    with pytest.raises(ValueError, match="slot_mlp"):
-        new_config("dflash", target.config, 5, slot_mlp=32)
-    with pytest.raises(ValueError, match="slot_mlp"):
-        check_exportable(grown.config)
 
 
 def old_and_grown(old, grown, target):

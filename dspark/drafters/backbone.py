@@ -87,7 +87,7 @@ class Backbone(nn.Module):
         return self.slot_mlps[i](x.view(*x.shape[:-2], -1, slots, x.shape[-1])).view(x.shape)
 
     def forward_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer],
-                      slots: int = 1) -> torch.Tensor:
+                      slots: int) -> torch.Tensor:
         """Block embeddings x [N, d] (N = requests x slots, each request's slots in a row) -> final-normed
         hidden [N, d]."""
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
@@ -97,7 +97,7 @@ class Backbone(nn.Module):
 
     # ---- training path -----------------------------------------------------------------
     def forward_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor,
-                      mask: torch.Tensor, slots: int = 1) -> torch.Tensor:
+                      mask: torch.Tensor, slots: int) -> torch.Tensor:
         """x [B, Q, d] block embeddings (Q = blocks x slots) at positions block_pos [B, Q]; h_ctx [B, T, d];
         mask [B, 1, Q, T+Q] (True = attend) -> final-normed hidden [B, Q, d]."""
         ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)

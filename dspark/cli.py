@@ -139,9 +139,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         shapes = "  ".join(f"+{x}: {t * 1000:.2f} ms" for x, t in zip(extra, secs, strict=True))
         print(f"  rows R={r:5d}  tokens beyond one per row {shapes}")
     shallow = prof.shallow_s or [None] * len(prof.requests)
+    pair = prof.pair_s or [None] * len(prof.requests)
     sampled = prof.sampled_s or [None] * len(prof.requests)
-    for r, t, one, hot in zip(prof.requests, prof.draft_s, shallow, sampled, strict=True):
+    for r, t, one, two, hot in zip(prof.requests, prof.draft_s, shallow, pair, sampled, strict=True):
         cut = "" if one is None else f"  (one position: {one * 1000:8.2f} ms)"
+        cut += "" if two is None else f"  (two: {two * 1000:8.2f} ms)"
         every = "" if hot is None else f"  (sampling, every token: {hot * 1000:8.2f} ms)"
         print(f"  draft  R={r:5d}  {t * 1000:8.2f} ms{cut}{every}")
     if args.plot:

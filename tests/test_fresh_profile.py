@@ -24,8 +24,9 @@ from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile
 
-KINDS = ["dspark", "dflash", "eagle3", "mtp", "ngram"]
-POLICIES = ["none", "static:3", "threshold:0.3", "dspark", "dspark-async"]
+KINDS = ["dspark", "dflash", "eagle3", "mtp", "dspark-exit", "ngram"]
+EXIT = {"causal_block": True, "exit_layer": 1, "exit_mlp": 16}  # dspark-exit: a causal block with an early exit
+POLICIES = ["none", "static:1", "static:3", "threshold:0.3", "dspark", "dspark-async"]
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 SMALL = ["--device", "cpu", "--max-num-seqs", "2", "--max-num-batched-tokens", "24"]
@@ -38,7 +39,8 @@ def drafters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
     out = {"ngram": "ngram"}
     for kind in KINDS[:-1]:
         torch.manual_seed(0)
-        config = new_config(kind, net.config, tok.token_id("<|mask|>") or 0)
+        extra = EXIT if kind == "dspark-exit" else {}
+        config = new_config(kind.split("-")[0], net.config, tok.token_id("<|mask|>") or 0, **extra)
         path = tmp_path_factory.mktemp(kind)
         save_drafter(new_drafter(config), config, path)  # type: ignore[arg-type]
         out[kind] = str(path)
@@ -81,10 +83,12 @@ def test_profile_command_measures_into_an_empty_cache(qwen3_dir, drafters, kind,
     out = capsys.readouterr().out
     assert "draft  R=" in out
     assert len(list(cache.glob("*.json"))) == 1
-    # an autoregressive drafter cuts exactly: its one-position proposal is timed too
+    # an autoregressive drafter and a causal block cut exactly: a one-position proposal is timed too, and two
+    # positions where one reads an early exit
     prof = StepProfile.from_json(next(cache.glob("*.json")).read_text())
-    assert bool(prof.shallow_s) == (kind == "eagle3") == ("one position" in out)
-    assert len(prof.shallow_s) in (0, len(prof.requests))
+    assert bool(prof.shallow_s) == (kind in ("eagle3", "dspark-exit")) == ("one position" in out)
+    assert bool(prof.pair_s) == (kind == "dspark-exit") == ("two:" in out)
+    assert len(prof.shallow_s) in (0, len(prof.requests)) and len(prof.pair_s) in (0, len(prof.requests))
     # the default engine prices by tokens: its profile times no row shapes (they cost a fresh machine seconds)
     assert not prof.rows and "rows R=" not in out
 

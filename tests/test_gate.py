@@ -425,6 +425,11 @@ def test_profile_prices_a_shallower_proposal_between_one_position_and_the_full_b
     assert prof.draft(64, 2) == pytest.approx(0.016) and prof.draft(64) == pytest.approx(0.040)
     flat = loaded_profile(shallow=False)
     assert not flat.cuts and flat.draft(64, 1) == pytest.approx(0.040)  # not measured: every depth costs a full block
+    # an early exit: one position below the line, two and more on the line from two positions to the full block
+    exited = replace(prof, shallow_s=[0.001, 0.002], pair_s=[0.002, 0.010])
+    assert exited.draft(64, 1) == pytest.approx(0.002) and exited.draft(64, 2) == pytest.approx(0.010)
+    assert exited.draft(64, 3) == pytest.approx(0.010 + 0.030 * (3 - 2) / (GAMMA - 2))
+    assert exited.draft(64) == pytest.approx(0.040)
 
 
 def test_gate_drafts_the_whole_block_for_one_request_and_one_position_under_load():

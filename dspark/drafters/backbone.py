@@ -90,23 +90,33 @@ class Backbone(nn.Module):
                       slots: int) -> torch.Tensor:
         """Block embeddings x [N, d] (N = requests x slots, each request's slots in a row) -> final-normed
         hidden [N, d]."""
+        return self.norm(self.run_paged(x, meta, cache, slots, len(self.layers)))
+
+    def run_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer], slots: int,
+                  layers: int) -> torch.Tensor:
+        """`forward_paged` through the first `layers` layers only, before the final norm (the exit reads it)."""
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
-        for i, (layer, kv) in enumerate(zip(self.layers, cache, strict=True)):
+        for i, (layer, kv) in enumerate(zip(self.layers[:layers], cache[:layers], strict=True)):
             x = self.after_layer(i, layer(x, cos, sin, meta, kv), slots)
-        return self.norm(x)
+        return x
 
     # ---- training path -----------------------------------------------------------------
     def forward_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor,
                       mask: torch.Tensor, slots: int) -> torch.Tensor:
         """x [B, Q, d] block embeddings (Q = blocks x slots) at positions block_pos [B, Q]; h_ctx [B, T, d];
         mask [B, 1, Q, T+Q] (True = attend) -> final-normed hidden [B, Q, d]."""
+        return self.norm(self.run_dense(x, block_pos, h_ctx, mask, slots, len(self.layers)))
+
+    def run_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor, mask: torch.Tensor,
+                  slots: int, layers: int) -> torch.Tensor:
+        """`forward_dense` through the first `layers` layers only, before the final norm (the exit reads it)."""
         ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)
         ccos, csin = self.rotary.cos_sin(ctx_pos, x.dtype)
         bcos, bsin = self.rotary.cos_sin(block_pos, x.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:layers]):
             ck, cv = self.context_kv(layer, h_ctx, ccos, csin)
             x = self.after_layer(i, layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask), slots)
-        return self.norm(x)
+        return x
 
 
 def layer_with_prefix(layer: DecoderLayer, x: torch.Tensor, cos, sin, prefix_k: torch.Tensor,

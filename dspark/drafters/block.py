@@ -16,6 +16,7 @@ import torch
 from dspark.device import upload
 from dspark.drafters.backbone import Backbone
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
+from dspark.drafters.exit import Exit
 from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated, greedy_walk
 from dspark.drafters.neural import NeuralDrafter
 from dspark.models.attention import AttentionMetadata
@@ -35,6 +36,9 @@ class BlockDrafter(NeuralDrafter):
         self.anchor = SwiGLU(config.hidden_size, config.anchor_mlp) if config.anchor_mlp else None
         if self.anchor is not None:  # adds nothing until training moves it
             torch.nn.init.zeros_(self.anchor.down_proj.weight)
+        conf_rank = (config.rank if config.confidence_markov else 0) if config.confidence else None
+        self.exit = Exit(config.hidden_size, config.exit_mlp, config.rms_norm_eps, conf_rank) \
+            if config.exit_layer else None
         self.features: torch.Tensor | None = None  # [slots, d] H_ctx per cache slot (context_residual, after bind)
 
     @property
@@ -110,9 +114,10 @@ class BlockDrafter(NeuralDrafter):
             )
             anchors = upload([i.anchor for i in inputs], dev)
             last = self.last_context(inputs)
-            hidden = self.block_hidden(self.block_inputs(anchors, g), last, meta)
+            exits = self.exit is not None and depth == 1  # one position: read it at the exit (g is 1 here)
+            hidden = (self.exit_hidden if exits else self.block_hidden)(self.block_inputs(anchors, g), last, meta)
             generators, anchor_ids = [i.generator for i in inputs], [i.anchor for i in inputs]
-            block = self.sample_block(hidden[:, first:first + depth], anchors, rows, generators, anchor_ids)
+            block = self.sample_block(hidden[:, first:first + depth], anchors, rows, generators, anchor_ids, exits)
             for _ in range(self.config.refine if rows.all_greedy and depth > 1 else 0):
                 fed = torch.cat([anchors[:, None], block.tokens[:, : depth - 1]], 1)
                 block, settled = refined(block, self.sample_block(self.block_hidden(fed, last, meta), anchors, rows,
@@ -131,6 +136,12 @@ class BlockDrafter(NeuralDrafter):
         hidden = self.backbone.forward_paged(x, meta, self.cache.layers, ids.shape[-1])
         return self.anchored(hidden.view(*ids.shape, -1))
 
+    def exit_hidden(self, ids: torch.Tensor, last: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
+        """The exit's hidden states [R, 1, d] of the anchor slots ids [R, 1], after `exit_layer` backbone layers."""
+        x = self.backbone.block_start(self.embed(ids), last).flatten(0, 1)
+        return self.exit(self.backbone.run_paged(x, meta, self.cache.layers, 1, self.config.exit_layer)).view(
+            *ids.shape, -1)
+
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
             self.head.restrict(ids)
@@ -140,9 +151,10 @@ class BlockDrafter(NeuralDrafter):
             self.head.narrow = narrow
 
     def sample_block(self, hidden, anchors, rows: SamplingRows, generators,
-                     anchor_ids: Sequence[int] = ()) -> DraftBlock:
+                     anchor_ids: Sequence[int] = (), exits: bool = False) -> DraftBlock:
         """Left-to-right sampling of the block's positions from hidden [R, depth, d]; anchor_ids: the
-        anchors on the host, to read the first bias from the markov table where it holds them."""
+        anchors on the host, to read the first bias from the markov table where it holds them; exits: hidden is
+        the exit's (scored by its own confidence head, with the first position's STS temperatures)."""
         base = self.lm_head(hidden)  # [R, depth, V] float32 (or [R, depth, N] over a draft vocabulary)
         table = None if self.head is None else self.head.active_table
         # the table row of each anchor, when the table holds every one: the first bias is then a row too
@@ -153,11 +165,11 @@ class BlockDrafter(NeuralDrafter):
             picks, probs = self.walk(base, hidden, anchors, table, first, rows, generators)
         block = self.token_ids(picks)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
-        raw = None
-        if self.conf is not None:
+        raw, conf = None, self.exit.conf if exits else self.conf
+        if conf is not None:
             embs = self.head.w1(torch.cat([anchors[:, None], block[:, :-1]], 1)) \
                 if self.config.confidence_markov and self.head is not None else None
-            raw = self.conf(hidden, embs)
+            raw = conf(hidden, embs)
         cfg = self.config
         confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
         return DraftBlock(block, self.block_probs(probs), confidence, confidence_logits=raw)
@@ -182,8 +194,9 @@ class BlockDrafter(NeuralDrafter):
         return torch.stack(picks, 1), probs
 
     # ---- training -----------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        return self.train_forward(*args, **kwargs)
+    def forward(self, *args, exits: bool = False, **kwargs):
+        """`train_forward`, or `exit_forward` (exits), so a DistributedDataParallel wrapper can run either."""
+        return (self.exit_forward if exits else self.train_forward)(*args, **kwargs)
 
     def train_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                       conf_stop_grad: bool = False, fed: torch.Tensor | None = None):
@@ -210,15 +223,35 @@ class BlockDrafter(NeuralDrafter):
         x = self.backbone.block_start(self.embed(self.fed_inputs(prev, fed)), before_anchor(h_ctx, anchors))
         hidden = self.anchored(
             self.backbone.forward_dense(x.flatten(1, 2), block_pos.flatten(1), h_ctx, mask, g).view(b, a, g, -1))
+        return self.scored(hidden, prev, self.conf, conf_stop_grad)
+
+    def exit_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
+                     conf_stop_grad: bool = False, fed: torch.Tensor | None = None):
+        """`train_forward` of the exit: logits [B, A, 1, V] of x_1 read after `exit_layer` backbone layers, and the
+        exit's confidence logits [B, A, 1] (or None). The anchor slot of a causal block reads only the context and
+        the anchor, so this is what a one-position proposal computes; `fed` changes nothing there."""
+        if self.exit is None:
+            raise RuntimeError("this drafter has no exit (DrafterConfig.exit_layer)")
+        b, a = anchors.shape
+        prev = tokens.gather(1, anchors)[..., None]  # x_0 [B, A, 1]
+        h_ctx = self.backbone.context(taps)
+        x = self.backbone.block_start(self.embed(prev), before_anchor(h_ctx, anchors)).flatten(1, 2)
+        x = self.backbone.run_dense(x, anchors, h_ctx, block_mask(anchors, 1, taps.shape[1], True), 1,
+                                    self.config.exit_layer)
+        return self.scored(self.exit(x).view(b, a, 1, -1), prev, self.exit.conf, conf_stop_grad)
+
+    def scored(self, hidden: torch.Tensor, prev: torch.Tensor, conf_head, conf_stop_grad: bool):
+        """Teacher-forced hidden [B, A, g, d] of blocks reading prev [B, A, g] (x_0..x_{g-1}) -> logits (base +
+        sequential bias) and conf_head's confidence logits (None without one)."""
         logits = self.lm_head(hidden)
         conf, emb = None, None
         if self.head is not None:
             bias, emb = self.head.teacher(hidden, prev)
             logits = logits + bias.float()
-        if self.conf is not None:
+        if conf_head is not None:
             emb = emb if self.config.confidence_markov else None
-            conf = self.conf(hidden.detach(), None if emb is None else emb.detach()) if conf_stop_grad \
-                else self.conf(hidden, emb)
+            conf = conf_head(hidden.detach(), None if emb is None else emb.detach()) if conf_stop_grad \
+                else conf_head(hidden, emb)
         return logits, conf
 
 

@@ -198,16 +198,20 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             # one position is timed only where a step may draft it: a router's neural part cuts, the router does not
             cuts = runner.drafter.cuts_exactly and gamma > 1
-            points = [partial(draft_time, inputs[:r], depth) for depth in ((None, 1) if cuts else (None,)) for r in requests]
+            # a drafter with an early exit also times two positions: one is off the line from there to the full block
+            depths = ((None, 1, 2) if drafter.config.exit_layer and gamma > 2 else (None, 1)) if cuts else (None,)
+            points = [partial(draft_time, inputs[:r], depth) for depth in depths for r in requests]
             points += [partial(draft_time, inputs[:r], None, True) for r in requests] if split else []
             drafted = least(points, repeats)
             n = len(requests)
-            draft_s, shallow_s, sampled_s = drafted[:n], drafted[n:2 * n] if cuts else [], drafted[-n:] if split else []
+            by_depth = {d: drafted[i * n:(i + 1) * n] for i, d in enumerate(depths)}
+            draft_s, sampled_s = by_depth[None], drafted[-n:] if split else []
+            shallow_s, pair_s = by_depth.get(1, []), by_depth.get(2, [])
         finally:
             for sid in ids:
                 drafter.free(sid)
     return StepProfile(key=key, tokens=tokens, verify_s=verify_s, requests=requests, draft_s=draft_s, gamma=gamma,
-                       shallow_s=shallow_s, sampled_s=sampled_s, rows=list(shapes),
+                       shallow_s=shallow_s, pair_s=pair_s, sampled_s=sampled_s, rows=list(shapes),
                        row_extra=[[sum(s) - r for s in shapes[r]] for r in shapes], row_s=row_s)
 
 

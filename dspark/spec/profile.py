@@ -66,6 +66,8 @@ class StepProfile:
     gamma: int = 1  # positions of a full proposal (draft_s)
     shallow_s: list[float] = field(default_factory=list)  # seconds per one-position proposal for R requests
     #                                                       (a drafter that cuts exactly; empty: every depth costs a full one)
+    pair_s: list[float] = field(default_factory=list)  # seconds per two-position proposal for R requests, where one
+    #   position costs less than the line through it would say (a drafter with an early exit; empty: on the line)
     sampled_s: list[float] = field(default_factory=list)  # seconds per full proposal for R requests in a batch
     #   that samples, where such a batch drafts over more tokens than a greedy one (`NeuralDrafter.select_vocab`;
     #   empty: the same as draft_s)
@@ -83,6 +85,7 @@ class StepProfile:
         # a noisy one-token point above the two-token one made drafting look free at one request
         self.verify_s, self.draft_s = nondecreasing(self.verify_s), nondecreasing(self.draft_s)
         self.shallow_s = [min(a, b) for a, b in zip(nondecreasing(self.shallow_s), self.draft_s, strict=False)]
+        self.pair_s = [min(a, b) for a, b in zip(nondecreasing(self.pair_s), self.draft_s, strict=False)]
         self.sampled_s = [max(a, b) for a, b in zip(nondecreasing(self.sampled_s), self.draft_s, strict=False)]
         self.row_s = [nondecreasing(ys) for ys in self.row_s]
 
@@ -119,7 +122,8 @@ class StepProfile:
 
     def draft(self, r: float, depth: int | None = None, sampled: bool = False) -> float:
         """Seconds of a proposal of depth positions (None: gamma) for r requests, linear in the depth
-        between the one-position and the full proposal; below one request (a router that sends a
+        between the one-position and the full proposal (between the two-position one and the full one past two
+        positions, where `pair_s` holds); below one request (a router that sends a
         fraction of its requests to this drafter), one request's proposal in that fraction of the steps.
         A batch that samples adds what its larger vocabulary costs, per position (`sampled_s`)."""
         if r <= 0:
@@ -130,8 +134,9 @@ class StepProfile:
         positions = self.gamma if depth is None else min(max(1, depth), self.gamma)
         extra = interp(self.requests, self.sampled_s, r) - full if sampled and self.sampled_s else 0.0
         if self.cuts and positions < self.gamma:
-            one = interp(self.requests, self.shallow_s, r)
-            full = one + (full - one) * (positions - 1) / (self.gamma - 1)
+            first, one = (2, interp(self.requests, self.pair_s, r)) if self.pair_s and positions >= 2 \
+                else (1, interp(self.requests, self.shallow_s, r))
+            full = one + (full - one) * (positions - first) / (self.gamma - first)
         return (full + extra * positions / self.gamma) * self.verify_scale
 
     def cost(self, r: float, b: int, depth: int | None = None, sampled: bool = False, rows: int | None = None) -> float:

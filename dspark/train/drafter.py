@@ -18,6 +18,7 @@ run resumes from them with any process count. `write_checksums = true` makes eve
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -34,7 +35,14 @@ from dspark.drafters.registry import new_config, new_drafter
 from dspark.train.anchors import BlockBatch, make_batch
 from dspark.train.checkpoint import append_log, config_from_toml, cosine_lr, load_checkpoint, save_checkpoint
 from dspark.train.losses import LossWeights, acceptance, drafter_loss
-from dspark.train.surgery import grow, reheaded, with_anchor_mlp, with_context_residual, with_slot_mlp
+from dspark.train.surgery import (
+    grow,
+    reheaded,
+    with_anchor_mlp,
+    with_context_residual,
+    with_exit,
+    with_slot_mlp,
+)
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,10 @@ class DrafterTrainConfig:
     causal_block: bool = False  # dspark/dflash: block slots see only the slots before them (any depth is exact)
     anchor_mlp: int = 0  # dspark: width of an MLP only the anchor slot runs (0: none; `DrafterConfig.anchor_mlp`)
     slot_mlp: int = 0  # dspark: width of an MLP each block slot runs after every backbone layer (`DrafterConfig.slot_mlp`)
+    exit_layer: int = 0  # dspark with init_from: grow an early exit after this backbone layer (`DrafterConfig.exit_layer`)
+    exit_mlp: int = 0  # ... whose MLP is this wide (0: the layers' intermediate size)
+    exit_only: bool = False  # train the exit alone, every other weight frozen (the full block unchanged); the loss
+    #                          and the held-out report are the exit's one position
     rank: int = 0  # the sequential head's rank (0: 64 for a new drafter, init_from's own otherwise)
     conf_stop_grad: bool = False
     init_from: str = ""  # a drafter directory to continue from (its architecture, fresh optimizer, no STS)
@@ -83,6 +95,10 @@ class DrafterTrainConfig:
     @classmethod
     def from_file(cls, path: str | Path, **overrides) -> DrafterTrainConfig:
         return config_from_toml(cls, path, **overrides)
+
+    def __post_init__(self) -> None:
+        if self.exit_only and not (self.exit_layer and self.init_from):
+            raise ValueError("exit_only trains an exit grown onto a trained drafter: it needs exit_layer and init_from")
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.loss_ce, self.loss_tv, self.loss_conf, self.loss_soft_ce, self.loss_first)
@@ -169,6 +185,28 @@ def forward_on(forward, taps: torch.Tensor, batch: BlockBatch, cfg: DrafterTrain
     return forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad, **extra)
 
 
+def trained_forward(model, cfg: DrafterTrainConfig):
+    """What the loss and the held-out report read: the drafter (or its DDP wrapper) called for the exit's forward
+    (`exit_only`) or the whole block's."""
+    return functools.partial(model, exits=True) if cfg.exit_only else model
+
+
+def trainable(drafter, cfg: DrafterTrainConfig) -> list[torch.nn.Parameter]:
+    """The parameters a run moves: the exit's alone under `exit_only` (every other one frozen), else all."""
+    if cfg.exit_only:
+        keep = {id(p) for p in drafter.exit.parameters()}
+        for p in drafter.parameters():
+            p.requires_grad_(id(p) in keep)
+    return [p for p in drafter.parameters() if p.requires_grad]
+
+
+def positions_loss(cfg: DrafterTrainConfig, logits, conf, t_logits, batch: BlockBatch):
+    """The kind's loss over the positions the forward drafted (the first of each block for an exit)."""
+    g = logits.shape[-2]
+    return drafter_loss(cfg.kind, logits, conf, t_logits[..., :g, :], batch.labels[..., :g], batch.valid[..., :g],
+                        cfg.loss_weights())
+
+
 @torch.no_grad()
 def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: int) -> dict:
     """Held-out per-position teacher-forced acceptance and confidence error.
@@ -178,15 +216,17 @@ def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: in
     position k, among those matching at every earlier position (what greedy verification accepts;
     exact on greedy answers, `dspark train regen --temperature 0`, where the text is the target's
     argmax at every position)."""
-    acc_sum, count, conf_err, hits, tried, fed_hits, fed_tried = torch.zeros(7, gamma, device=train_device(cfg))
-    refines = drafter.config.refinable
+    drafted = 1 if cfg.exit_only else gamma  # positions the forward drafts
+    acc_sum, count, conf_err, hits, tried, fed_hits, fed_tried = torch.zeros(7, drafted, device=train_device(cfg))
+    refines = drafter.config.refinable and not cfg.exit_only
     drafter.eval()
     for i in range(cfg.eval_batches):
         batch = dataclasses.replace(batch_at(rows, cfg, gamma, 10**9 + i, 0, pad), fed=None)
         taps, t_logits = block_targets(target, batch, drafter.taps)
-        logits, conf = forward_on(drafter.train_forward, taps, batch, cfg)
+        logits, conf = forward_on(trained_forward(drafter, cfg), taps, batch, cfg)
+        t_logits = t_logits[..., :drafted, :]
         acc = acceptance(logits.softmax(-1), t_logits.softmax(-1))  # [B, A, g]
-        v = batch.valid.float()
+        v = batch.valid[..., :drafted].float()
         acc_sum += (acc * v).sum((0, 1))
         count += v.sum((0, 1))
         matched, reached = argmax_chain(logits, t_logits, v)
@@ -274,6 +314,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         drafter = with_anchor_mlp(drafter, cfg.anchor_mlp)
     if cfg.slot_mlp and cfg.slot_mlp != dcfg.slot_mlp:
         drafter = with_slot_mlp(drafter, cfg.slot_mlp)
+    if cfg.exit_layer and cfg.exit_layer != dcfg.exit_layer:
+        drafter = with_exit(drafter, cfg.exit_layer, cfg.exit_mlp or dcfg.intermediate_size)
     head, rank = cfg.head or dcfg.head, cfg.rank or dcfg.rank
     if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
         drafter = reheaded(drafter, head, rank)
@@ -328,7 +370,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
     rank, world = setup_distributed(train_device(cfg))
     target, tok, drafter, dcfg = build(cfg)
     pad = tok.pad_id
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    params = trainable(drafter, cfg)
     opt = optimizer(params, cfg)
     state, step = load_state(cfg.run_dir, rank, world), 0
     if state is not None:
@@ -353,8 +395,8 @@ def train(cfg: DrafterTrainConfig) -> dict:
             group["lr"] = lr
         batch = batch_at(rows, cfg, dcfg.gamma, step, rank, pad)
         taps, t_logits = block_targets(target, batch, dcfg.taps)
-        logits, conf = forward_on(model if world > 1 else drafter.train_forward, taps, batch, cfg)
-        loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits, batch.labels, batch.valid, cfg.loss_weights())
+        logits, conf = forward_on(trained_forward(model, cfg), taps, batch, cfg)
+        loss, parts = positions_loss(cfg, logits, conf, t_logits, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()

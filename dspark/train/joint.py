@@ -32,9 +32,11 @@ from dspark.train.drafter import (
     evaluate,
     load_frozen_target,
     optimizer,
+    positions_loss,
     read_rows,
+    trainable,
+    trained_forward,
 )
-from dspark.train.losses import drafter_loss
 
 SHARED = ("model", "data", "heldout", "seq_len", "batch_size", "anchors_per_seq", "max_steps", "seed", "device",
           "eval_every", "eval_batches")
@@ -69,7 +71,7 @@ def check_shared(cfgs: list[DrafterTrainConfig]) -> None:
 
 def member(cfg: DrafterTrainConfig, loaded) -> Member:
     _, _, drafter, dcfg = build(cfg, loaded)
-    opt = optimizer([p for p in drafter.parameters() if p.requires_grad], cfg)
+    opt = optimizer(trainable(drafter, cfg), cfg)
     state, step = load_checkpoint(cfg.run_dir), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -91,9 +93,8 @@ def member_step(m: Member, batch, tapped, t_logits, layers: list[int]) -> dict[s
     for group in m.opt.param_groups:
         group["lr"] = lr
     taps = tapped[:, :, [layers.index(t) for t in m.drafter.taps]].flatten(-2)
-    logits, conf = m.drafter.train_forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-    loss, parts = drafter_loss(cfg.kind, logits, conf, t_logits[..., :g, :], batch.labels[..., :g], batch.valid[..., :g],
-                               cfg.loss_weights())
+    logits, conf = trained_forward(m.drafter, cfg)(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
+    loss, parts = positions_loss(cfg, logits, conf, t_logits[..., :g, :], batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in m.drafter.parameters() if p.requires_grad], cfg.grad_clip)
     m.opt.step()

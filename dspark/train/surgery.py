@@ -7,7 +7,8 @@ nothing) to the old computation, so the first step continues from the old held-o
 - `with_context_residual`: the feature before the anchor into every block slot (projection at zero);
 - `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r;
 - `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero);
-- `with_slot_mlp`: an MLP of its own for every block slot after every backbone layer (output projections at zero).
+- `with_slot_mlp`: an MLP of its own for every block slot after every backbone layer (output projections at zero);
+- `with_exit`: a one-position proposal read after the first backbone layers (`drafters/exit.py`; a plain early exit).
 """
 
 from __future__ import annotations
@@ -110,3 +111,19 @@ def reheaded(drafter, head: str, rank: int):
             out = new.head.cell.weight[2 * rank :]  # [r, 2r + d]: the output rows
             out[:, rank : 2 * rank] = torch.eye(rank)
     return new
+
+
+def with_exit(drafter, layer: int, width: int):
+    """A copy of a DSpark drafter with an early exit after backbone layer `layer` (`drafters/exit.py`), starting as a
+    plain one: the final norm's weights and the confidence head copied, the MLP's output projection at zero. Its
+    full block computes exactly what it did."""
+    if drafter.config.kind != "dspark" or drafter.config.exit_layer:
+        raise ValueError(f"can give a dspark drafter without one an exit, not a {drafter.config.kind} drafter "
+                         f"with exit_layer={drafter.config.exit_layer}")
+    exited, missing = rebuilt(drafter, exit_layer=layer, exit_mlp=width)
+    assert all(k.startswith("exit.") for k in missing), missing
+    with torch.no_grad():
+        exited.exit.norm.weight.copy_(exited.backbone.norm.weight)
+        if exited.exit.conf is not None:
+            exited.exit.conf.load_state_dict(exited.conf.state_dict())
+    return exited

@@ -4,6 +4,8 @@ equals its teacher-forced form, deeper proposals never read it, a grown exit sta
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from dspark.drafters.registry import load_drafter, new_config, new_drafter
 from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams, SamplingRows
 from dspark.train.drafter import DrafterTrainConfig, train
+from dspark.train.eval_drafter import evaluate_drafters
 from dspark.train.surgery import with_exit
 from tests.test_train_drafter import write_rows
 
@@ -136,5 +139,8 @@ def test_exit_only_training_moves_the_exit_alone(qwen3_dir, tmp_path):
     assert out.config.exit_mlp == cfg.intermediate_size and out.state_dict().keys() == grown.keys()
     moved = {n for n, t in out.state_dict().items() if not torch.equal(t, grown[n])}
     assert "exit.mlp.down_proj.weight" in moved and all(n.startswith("exit.") for n in moved)
+    measured = evaluate_drafters(dataclasses.replace(run, exit_only=False), [run.export_dir])["drafters"]
+    got = measured[run.export_dir]  # the block's seven positions, and the exit's one as training measured it
+    assert len(got["acceptance"]) == 7 and got["exit_acceptance"] == report["acceptance"]
     with pytest.raises(ValueError, match="exit_layer and init_from"):
         DrafterTrainConfig(exit_only=True)

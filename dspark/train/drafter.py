@@ -185,10 +185,10 @@ def forward_on(forward, taps: torch.Tensor, batch: BlockBatch, cfg: DrafterTrain
     return forward(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad, **extra)
 
 
-def trained_forward(model, cfg: DrafterTrainConfig):
+def trained_forward(model, exits: bool):
     """What the loss and the held-out report read: the drafter (or its DDP wrapper) called for the exit's forward
-    (`exit_only`) or the whole block's."""
-    return functools.partial(model, exits=True) if cfg.exit_only else model
+    (exits: `exit_only`) or the whole block's."""
+    return functools.partial(model, exits=True) if exits else model
 
 
 def trainable(drafter, cfg: DrafterTrainConfig) -> list[torch.nn.Parameter]:
@@ -208,22 +208,23 @@ def positions_loss(cfg: DrafterTrainConfig, logits, conf, t_logits, batch: Block
 
 
 @torch.no_grad()
-def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: int) -> dict:
+def evaluate(drafter, target, rows, cfg: DrafterTrainConfig, gamma: int, pad: int, exits: bool | None = None) -> dict:
     """Held-out per-position teacher-forced acceptance and confidence error.
 
     `acceptance` is the chance that speculative sampling at temperature 1 accepts position k;
     `greedy_acceptance` the share of blocks whose draft argmax matches the target's argmax at
     position k, among those matching at every earlier position (what greedy verification accepts;
     exact on greedy answers, `dspark train regen --temperature 0`, where the text is the target's
-    argmax at every position)."""
-    drafted = 1 if cfg.exit_only else gamma  # positions the forward drafts
+    argmax at every position). exits: measure the early exit's one position (default: `cfg.exit_only`)."""
+    exits = cfg.exit_only if exits is None else exits
+    drafted = 1 if exits else gamma  # positions the forward drafts
     acc_sum, count, conf_err, hits, tried, fed_hits, fed_tried = torch.zeros(7, drafted, device=train_device(cfg))
-    refines = drafter.config.refinable and not cfg.exit_only
+    refines = drafter.config.refinable and not exits
     drafter.eval()
     for i in range(cfg.eval_batches):
         batch = dataclasses.replace(batch_at(rows, cfg, gamma, 10**9 + i, 0, pad), fed=None)
         taps, t_logits = block_targets(target, batch, drafter.taps)
-        logits, conf = forward_on(trained_forward(drafter, cfg), taps, batch, cfg)
+        logits, conf = forward_on(trained_forward(drafter, exits), taps, batch, cfg)
         t_logits = t_logits[..., :drafted, :]
         acc = acceptance(logits.softmax(-1), t_logits.softmax(-1))  # [B, A, g]
         v = batch.valid[..., :drafted].float()
@@ -395,7 +396,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
             group["lr"] = lr
         batch = batch_at(rows, cfg, dcfg.gamma, step, rank, pad)
         taps, t_logits = block_targets(target, batch, dcfg.taps)
-        logits, conf = forward_on(trained_forward(model, cfg), taps, batch, cfg)
+        logits, conf = forward_on(trained_forward(model, cfg.exit_only), taps, batch, cfg)
         loss, parts = positions_loss(cfg, logits, conf, t_logits, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)

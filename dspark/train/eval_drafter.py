@@ -44,7 +44,8 @@ def load_against(path: str, target, cfg: DrafterTrainConfig):
 
 
 def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors: int = 0) -> dict:
-    """{drafter dir: held-out acceptance per position, expected τ (and confidence error)}."""
+    """{drafter dir: held-out acceptance per position, expected τ (and confidence error); for a drafter with an early
+    exit, also its one position's (`exit_acceptance`, `exit_greedy_acceptance`, `exit_conf_mae`)}."""
     if not drafters:
         raise ValueError("name at least one drafter directory (--drafter DIR)")
     if anchors:
@@ -57,6 +58,9 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
         drafter = load_against(path, target, cfg)
         out[path] = {**evaluate(drafter, target, held, cfg, drafter.config.gamma, pad),
                      **walk(drafter, target, spread(held, cfg.batch_size * cfg.eval_batches), cfg, pad)}
+        if drafter.config.exit_layer:  # its early exit's one position on the same blocks (`exit_` keys)
+            exit_report = evaluate(drafter, target, held, cfg, drafter.config.gamma, pad, exits=True)
+            out[path] |= {f"exit_{k}": v for k, v in exit_report.items() if not k.endswith("tau")}
     return {"settings": {k: getattr(cfg, k) for k in ("model", "heldout", "seq_len", "batch_size", "eval_batches",
                                                        "anchors_per_seq", "seed")}, "drafters": out}
 

@@ -1,6 +1,6 @@
-"""The DSpark early exit (`DrafterConfig.exit_layer`): a one-position proposal read after the first backbone layers
-equals its teacher-forced form, deeper proposals never read it, a grown exit starts as a plain early exit, and an
-`exit_only` run moves the exit's weights and nothing else."""
+"""The DSpark early exit (`DrafterConfig.exit_mlp`): a one-position proposal from the exit's own layer equals its
+teacher-forced form, deeper proposals never read it, a grown exit starts as a copy of the backbone layer it replaces,
+and an `exit_only` run moves the exit's weights and nothing else."""
 
 from __future__ import annotations
 
@@ -28,15 +28,14 @@ def target(qwen3_dir):
     return net
 
 
-def drafter(target, exit_layer: int = 1, **over):
-    """A random causal-block DSpark drafter (with an exit whose MLP and confidence head are non-zero), bound and fed
-    the context."""
+def drafter(target, exit_mlp: int = 16, **over):
+    """A random causal-block DSpark drafter (with an exit whose confidence head is non-zero, on the block's input
+    unless told), bound and fed the context."""
     torch.manual_seed(1)
-    d = new_drafter(new_config("dspark", target.config, 5, causal_block=True, exit_layer=exit_layer,
-                               exit_mlp=16 if exit_layer else 0, **over))
+    d = new_drafter(new_config("dspark", target.config, 5, causal_block=True, exit_mlp=exit_mlp, **over))
     with torch.no_grad():
         for name, p in d.named_parameters():
-            if "w2" in name or "conf" in name or "exit.mlp" in name:
+            if "w2" in name or "conf" in name:
                 p.normal_(0, 0.3)
     return bind(d, target)
 
@@ -60,8 +59,9 @@ def exit_teacher_forced(d, target):
         return d.exit_forward(taps, tokens, torch.tensor([[len(CONTEXT) - 1]]))
 
 
-def test_a_one_position_proposal_is_the_exit_and_equals_its_teacher_forced_form(target):
-    d = drafter(target)
+@pytest.mark.parametrize("exit_layer", [0, 1])
+def test_a_one_position_proposal_is_the_exit_and_equals_its_teacher_forced_form(target, exit_layer):
+    d = drafter(target, exit_layer=exit_layer)
     logits, conf = exit_teacher_forced(d, target)
     one = propose(d, 1)
     assert one.num_valid == [1] and one.tokens[0, 0].item() == logits[0, 0, 0].argmax().item()
@@ -82,19 +82,20 @@ def teacher_inputs(d, target, drafted: list[int]):
 
 def test_deeper_proposals_never_read_the_exit(target):
     """With an exit, proposals of two or more positions are exactly those of the same drafter without one."""
-    plain, exited = drafter(target, 0), drafter(target, 1)
+    plain, exited = drafter(target, 0), drafter(target)
     exited.load_state_dict(plain.state_dict(), strict=False)
     for depth in (None, 2):
         a, b = propose(plain, depth), propose(exited, depth)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.confidence, b.confidence)
 
 
-def test_a_grown_exit_starts_as_a_plain_early_exit(target):
-    """with_exit copies the final norm and the confidence head and starts its MLP at zero: the exit's logits are the
-    LM head (and sequential head) on the final norm of the first layer's output; the full block is unchanged."""
+def test_a_grown_exit_starts_as_the_backbone_layer_it_copies(target):
+    """with_exit copies backbone layer 0, the final norm and the confidence head: the exit's logits are then the LM
+    head (and sequential head) on the final norm of the first layer's output; the full block is unchanged."""
     plain = drafter(target, 0)
-    grown = bind(with_exit(plain, 1, 24), target)
-    assert (grown.config.exit_layer, grown.config.exit_mlp) == (1, 24)
+    width = plain.config.intermediate_size
+    grown = bind(with_exit(plain, 0, width), target)
+    assert (grown.config.exit_layer, grown.config.exit_mlp, grown.cache_layers) == (0, width, 3)
     assert torch.equal(propose(plain).tokens, propose(grown).tokens)
     logits, conf = exit_teacher_forced(grown, target)
     taps, tokens, anchors = teacher_inputs(grown, target, [])
@@ -108,17 +109,17 @@ def test_a_grown_exit_starts_as_a_plain_early_exit(target):
                                        False)
     assert torch.allclose(logits, want, atol=1e-5) and torch.allclose(conf, want_conf, atol=1e-5)
     with pytest.raises(ValueError, match="without one an exit"):
-        with_exit(grown, 1, 24)
+        with_exit(grown, 0, 24)
 
 
 @pytest.mark.parametrize(("over", "match"), [({"causal_block": False}, "causal"), ({"exit_layer": 2}, "fewer"),
-                                             ({"exit_mlp": 0}, "exit_mlp")])
+                                             ({"exit_mlp": 0}, "exit_mlp >= 1")])
 def test_an_exit_needs_a_causal_block_an_earlier_layer_and_an_mlp(target, over, match):
     cfg = {"causal_block": True, "exit_layer": 1, "exit_mlp": 8, **over}
     with pytest.raises(ValueError, match=match):
         new_config("dspark", target.config, 5, **cfg)
     with pytest.raises(ValueError, match="early exit"):
-        new_config("eagle3", target.config, 5, exit_layer=1, exit_mlp=8)
+        new_config("eagle3", target.config, 5, exit_mlp=8)
 
 
 def test_exit_only_training_moves_the_exit_alone(qwen3_dir, tmp_path):
@@ -131,16 +132,16 @@ def test_exit_only_training_moves_the_exit_alone(qwen3_dir, tmp_path):
     rows = str(tmp_path / "rows.jsonl")
     run = DrafterTrainConfig(model=str(qwen3_dir), data=rows, heldout=rows, run_dir=str(tmp_path / "run"),
                              seq_len=32, batch_size=2, anchors_per_seq=2, max_steps=2, warmup_steps=1, eval_every=2,
-                             eval_batches=1, init_from=str(tmp_path / "start"), exit_layer=1, exit_only=True,
+                             eval_batches=1, init_from=str(tmp_path / "start"), exit_mlp=24, exit_only=True,
                              export_dir=str(tmp_path / "out"))
     report = train(run)
     assert len(report["acceptance"]) == 1 and len(report["conf_mae"]) == 1  # the exit's one position
-    out, grown = load_drafter(str(tmp_path / "out")), with_exit(start, 1, cfg.intermediate_size).state_dict()
-    assert out.config.exit_mlp == cfg.intermediate_size and out.state_dict().keys() == grown.keys()
+    out, grown = load_drafter(str(tmp_path / "out")), with_exit(start, 0, 24).state_dict()
+    assert out.config.exit_mlp == 24 and out.state_dict().keys() == grown.keys()
     moved = {n for n, t in out.state_dict().items() if not torch.equal(t, grown[n])}
-    assert "exit.mlp.down_proj.weight" in moved and all(n.startswith("exit.") for n in moved)
+    assert "exit.layer.mlp.down_proj.weight" in moved and all(n.startswith("exit.") for n in moved)
     measured = evaluate_drafters(dataclasses.replace(run, exit_only=False), [run.export_dir])["drafters"]
     got = measured[run.export_dir]  # the block's seven positions, and the exit's one as training measured it
     assert len(got["acceptance"]) == 7 and got["exit_acceptance"] == report["acceptance"]
-    with pytest.raises(ValueError, match="exit_layer and init_from"):
+    with pytest.raises(ValueError, match="exit_mlp and init_from"):
         DrafterTrainConfig(exit_only=True)

@@ -25,7 +25,7 @@ from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile
 
 KINDS = ["dspark", "dflash", "eagle3", "mtp", "dspark-exit", "ngram"]
-EXIT = {"causal_block": True, "exit_layer": 1, "exit_mlp": 16}  # dspark-exit: a causal block with an early exit
+EXIT = {"causal_block": True, "exit_mlp": 16}  # dspark-exit: a causal block with an early exit
 POLICIES = ["none", "static:1", "static:3", "threshold:0.3", "dspark", "dspark-async"]
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -34,7 +34,7 @@ V, TOKENS, COPIES = 16, 3, 240  # vocabulary, tokens compared, requests per prom
 PROMPTS = [[3, 1, 4], [1, 5, 9, 2, 6, 5], [3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]]
 SETTINGS = [dict(temperature=1.0), dict(temperature=0.8, top_k=6, top_p=0.85)]
 POLICIES = ["static:3", "threshold:0.15", "dspark", "dspark-async", "exit:static:1"]  # exit: one-position proposals
-# from a causal block's early exit (`DrafterConfig.exit_layer`), its MLP non-zero
+# from a causal block's early exit (`DrafterConfig.exit_mlp`)
 # the costs the dspark policies weigh (drafting is cheap); the gate is off, so every round drafts
 PROFILE = StepProfile("chi2", tokens=[1, 256], verify_s=[1e-3, 1.2e-3], requests=[1, 64], draft_s=[1e-4, 2e-4])
 
@@ -114,11 +114,8 @@ def exact(target) -> dict[tuple[int, int], torch.Tensor]:
 def run_engine(target: CausalLM, policy: str):
     torch.manual_seed(1)
     exits, policy = policy.startswith("exit:"), policy.removeprefix("exit:")
-    extra = {"causal_block": True, "exit_layer": 1, "exit_mlp": 16} if exits else {}
+    extra = {"causal_block": True, "exit_mlp": 16} if exits else {}
     drafter = new_drafter(new_config("dspark", target.config, V - 1, gamma=4, **extra))
-    if exits:
-        with torch.no_grad():
-            drafter.exit.mlp.down_proj.weight.normal_(0, 0.3)
     cfg = EngineConfig(device="cpu", dtype="float32", block_size=4, num_kv_blocks=24, max_num_seqs=16,
                        max_num_batched_tokens=48)
     engine = assemble(target, tiny_tokenizer(), cfg, drafter=drafter, policy=policy, gate=GateConfig(enabled=False))

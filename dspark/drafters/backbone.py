@@ -74,10 +74,11 @@ class Backbone(nn.Module):
 
     # ---- serving path ------------------------------------------------------------------
     def write_context(self, h_ctx: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                      cache: list[KVLayer]) -> None:
-        """Project H_ctx [N, d] at positions [N] into every layer's cache slots [N]."""
+                      cache: list[KVLayer], then: DecoderLayer | None = None) -> None:
+        """Project H_ctx [N, d] at positions [N] into every layer's cache slots [N] (and `then`'s, the last)."""
         cos, sin = self.rotary.cos_sin(positions, h_ctx.dtype)
-        for layer, (kc, vc) in zip(self.layers, cache, strict=True):
+        layers = [*self.layers, then] if then is not None else self.layers
+        for layer, (kc, vc) in zip(layers, cache, strict=True):
             write_kv(kc, vc, slots, *self.context_kv(layer, h_ctx, cos, sin))
 
     def after_layer(self, i: int, x: torch.Tensor, slots: int) -> torch.Tensor:
@@ -93,12 +94,13 @@ class Backbone(nn.Module):
         return self.norm(self.run_paged(x, meta, cache, slots, len(self.layers)))
 
     def run_paged(self, x: torch.Tensor, meta: AttentionMetadata, cache: list[KVLayer], slots: int,
-                  layers: int) -> torch.Tensor:
-        """`forward_paged` through the first `layers` layers only, before the final norm (the exit reads it)."""
+                  layers: int, then: DecoderLayer | None = None) -> torch.Tensor:
+        """`forward_paged` through the first `layers` layers only, then the layer `then` (an exit's own, its
+        context K/V in the cache's last layer), before any final norm."""
         cos, sin = self.rotary.cos_sin(meta.positions, x.dtype)
         for i, (layer, kv) in enumerate(zip(self.layers[:layers], cache[:layers], strict=True)):
             x = self.after_layer(i, layer(x, cos, sin, meta, kv), slots)
-        return x
+        return x if then is None else then(x, cos, sin, meta, cache[-1])
 
     # ---- training path -----------------------------------------------------------------
     def forward_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor,
@@ -108,14 +110,16 @@ class Backbone(nn.Module):
         return self.norm(self.run_dense(x, block_pos, h_ctx, mask, slots, len(self.layers)))
 
     def run_dense(self, x: torch.Tensor, block_pos: torch.Tensor, h_ctx: torch.Tensor, mask: torch.Tensor,
-                  slots: int, layers: int) -> torch.Tensor:
-        """`forward_dense` through the first `layers` layers only, before the final norm (the exit reads it)."""
+                  slots: int, layers: int, then: DecoderLayer | None = None) -> torch.Tensor:
+        """`forward_dense` through the first `layers` layers only, then the layer `then` (an exit's own), before
+        any final norm."""
         ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)
         ccos, csin = self.rotary.cos_sin(ctx_pos, x.dtype)
         bcos, bsin = self.rotary.cos_sin(block_pos, x.dtype)
-        for i, layer in enumerate(self.layers[:layers]):
+        for i, layer in enumerate([*self.layers[:layers], *([then] if then is not None else [])]):
             ck, cv = self.context_kv(layer, h_ctx, ccos, csin)
-            x = self.after_layer(i, layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask), slots)
+            x = layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask)
+            x = self.after_layer(i, x, slots) if i < layers else x
         return x
 
 

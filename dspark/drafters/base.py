@@ -73,9 +73,9 @@ class DrafterConfig:
     #                      first position's own parameters where every other weight serves the whole block
     slot_mlp: int = 0  # dspark: width of a gated MLP each block slot runs on its own after every backbone layer (0:
     #                    none; `drafters/slots.py`): per-slot weights inside the backbone, whose layers the slots share
-    exit_layer: int = 0  # dspark with a causal block: a one-position proposal reads the anchor slot after this many
-    #                      backbone layers through the drafter's exit (0: none; `drafters/exit.py`), fewer than all
-    exit_mlp: int = 0  # the exit's MLP width
+    exit_mlp: int = 0  # dspark with a causal block: a one-position proposal runs a decoder layer of the drafter's own
+    #                    whose MLP is this wide (0: no exit; `drafters/exit.py`) ...
+    exit_layer: int = 0  # ... on the anchor slot after this many backbone layers (0: on the block's input)
     draft_vocab: tuple[int, ...] = ()  # a fixed draft vocabulary (token ids) from the checkpoint's d2t map
     serve_vocab: int = 0  # draft vocabulary size used unless the caller names one (--draft-vocab; 0: every token)
     own_lm_head: bool = False  # the LM head is the drafter's own weight (rows: draft_vocab, or all), not the target's
@@ -114,12 +114,11 @@ class DrafterConfig:
                              f"(anchor_slot={self.anchor_slot}) does not predict from")
         if self.slot_mlp and self.kind not in ("dspark", "auto"):
             raise ValueError(f"slot_mlp gives each slot of a DSpark block its own MLP, not a {self.kind} drafter's")
-        if self.exit_layer and (self.kind not in ("dspark", "auto") or not self.refinable
-                                or not 0 < self.exit_layer < self.num_layers or self.exit_mlp < 1):
-            raise ValueError(f"exit_layer={self.exit_layer}: an early exit reads a DSpark causal block's anchor slot "
-                             f"after fewer than its {self.num_layers} backbone layers, through an MLP of width "
-                             f"exit_mlp >= 1 (got {self.kind}, causal_block={self.causal_block}, "
-                             f"exit_mlp={self.exit_mlp})")
+        if (self.exit_mlp or self.exit_layer) and (self.kind not in ("dspark", "auto") or not self.refinable
+                                                   or not 0 <= self.exit_layer < self.num_layers or self.exit_mlp < 1):
+            raise ValueError(f"exit_mlp={self.exit_mlp}, exit_layer={self.exit_layer}: an early exit is a layer of "
+                             f"a DSpark causal block's own (exit_mlp >= 1) on the anchor slot after fewer than its "
+                             f"{self.num_layers} backbone layers (got {self.kind}, causal_block={self.causal_block})")
         if self.block_size and self.block_size < self.gamma + (0 if self.anchor_slot else 1):
             raise ValueError(f"block_size {self.block_size} has too few slots for gamma {self.gamma}")
 

@@ -27,7 +27,7 @@ from dspark.sampling import SamplingRows
 class BlockDrafter(NeuralDrafter):
     def __init__(self, config: DrafterConfig) -> None:
         super().__init__(config)
-        self.cache_layers = config.num_layers
+        self.cache_layers = config.num_layers + (1 if config.exit_mlp else 0)  # the exit's layer last
         self.backbone = Backbone(config)
         self.head = SequentialHead(config.head, config.vocab_size, config.rank, config.hidden_size) \
             if config.head != "none" else None
@@ -36,9 +36,7 @@ class BlockDrafter(NeuralDrafter):
         self.anchor = SwiGLU(config.hidden_size, config.anchor_mlp) if config.anchor_mlp else None
         if self.anchor is not None:  # adds nothing until training moves it
             torch.nn.init.zeros_(self.anchor.down_proj.weight)
-        conf_rank = (config.rank if config.confidence_markov else 0) if config.confidence else None
-        self.exit = Exit(config.hidden_size, config.exit_mlp, config.rms_norm_eps, conf_rank) \
-            if config.exit_layer else None
+        self.exit = Exit(config) if config.exit_mlp else None
         self.features: torch.Tensor | None = None  # [slots, d] H_ctx per cache slot (context_residual, after bind)
 
     @property
@@ -63,7 +61,8 @@ class BlockDrafter(NeuralDrafter):
         feats = torch.cat([r.features for r in rows]).to(self.target.dtype)  # [N, m*d]
         slots, positions = self.slots_and_positions(rows)
         h_ctx = self.backbone.context(feats)
-        self.backbone.write_context(h_ctx, positions, slots, self.cache.layers)
+        self.backbone.write_context(h_ctx, positions, slots, self.cache.layers,
+                                    None if self.exit is None else self.exit.layer)
         if self.features is not None:
             self.features[slots] = h_ctx
 
@@ -137,10 +136,11 @@ class BlockDrafter(NeuralDrafter):
         return self.anchored(hidden.view(*ids.shape, -1))
 
     def exit_hidden(self, ids: torch.Tensor, last: torch.Tensor | None, meta: AttentionMetadata) -> torch.Tensor:
-        """The exit's hidden states [R, 1, d] of the anchor slots ids [R, 1], after `exit_layer` backbone layers."""
+        """The exit's hidden states [R, 1, d] of the anchor slots ids [R, 1]: its layer after `exit_layer` backbone
+        layers, normed."""
         x = self.backbone.block_start(self.embed(ids), last).flatten(0, 1)
-        return self.exit(self.backbone.run_paged(x, meta, self.cache.layers, 1, self.config.exit_layer)).view(
-            *ids.shape, -1)
+        x = self.backbone.run_paged(x, meta, self.cache.layers, 1, self.config.exit_layer, self.exit.layer)
+        return self.exit.norm(x).view(*ids.shape, -1)
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
@@ -227,18 +227,18 @@ class BlockDrafter(NeuralDrafter):
 
     def exit_forward(self, taps: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor,
                      conf_stop_grad: bool = False, fed: torch.Tensor | None = None):
-        """`train_forward` of the exit: logits [B, A, 1, V] of x_1 read after `exit_layer` backbone layers, and the
-        exit's confidence logits [B, A, 1] (or None). The anchor slot of a causal block reads only the context and
+        """`train_forward` of the exit: logits [B, A, 1, V] of x_1 from its layer after `exit_layer` backbone layers,
+        and the exit's confidence logits [B, A, 1] (or None). The anchor slot of a causal block reads only the context and
         the anchor, so this is what a one-position proposal computes; `fed` changes nothing there."""
         if self.exit is None:
-            raise RuntimeError("this drafter has no exit (DrafterConfig.exit_layer)")
+            raise RuntimeError("this drafter has no exit (DrafterConfig.exit_mlp)")
         b, a = anchors.shape
         prev = tokens.gather(1, anchors)[..., None]  # x_0 [B, A, 1]
         h_ctx = self.backbone.context(taps)
         x = self.backbone.block_start(self.embed(prev), before_anchor(h_ctx, anchors)).flatten(1, 2)
         x = self.backbone.run_dense(x, anchors, h_ctx, block_mask(anchors, 1, taps.shape[1], True), 1,
-                                    self.config.exit_layer)
-        return self.scored(self.exit(x).view(b, a, 1, -1), prev, self.exit.conf, conf_stop_grad)
+                                    self.config.exit_layer, self.exit.layer)
+        return self.scored(self.exit.norm(x).view(b, a, 1, -1), prev, self.exit.conf, conf_stop_grad)
 
     def scored(self, hidden: torch.Tensor, prev: torch.Tensor, conf_head, conf_stop_grad: bool):
         """Teacher-forced hidden [B, A, g, d] of blocks reading prev [B, A, g] (x_0..x_{g-1}) -> logits (base +

@@ -1,35 +1,36 @@
-"""The early exit: a one-position DSpark proposal read after the backbone's first layers (`DrafterConfig.exit_layer`).
+"""The early exit: a one-position DSpark proposal from a layer of its own (`DrafterConfig.exit_mlp`, `exit_layer`).
 
 Under load the scheduler drafts one position per request or none: each extra token verified costs about as much as
 a plain one, and only the first draft is likely enough to pay. A one-position proposal of the full backbone still
-runs every layer over every request's anchor slot; MTP-1 runs one. The exit reads the anchor slot's residual stream
-after `exit_layer` layers through a gated MLP and a norm of its own, then the drafter's LM head and sequential head
-as the full path does, and scores it with a confidence head of its own. It is trained with every other weight frozen
-(`DrafterTrainConfig.exit_only`), so the full block computes exactly what it did; a drafter grown with it
-(`train/surgery.py` `with_exit`) starts as a plain early exit (the MLP's output projection at zero, the final norm's
-weights and the confidence head copied).
+runs every layer over every request's anchor slot, where MTP-1 runs one: side by side at 16 requests, one DSpark
+position for every request was accepted as often as MTP's and ran 6% slower (`docs/models/dspark-small.md`). The exit
+is one decoder layer of its own, with its own keys and values of the context (one more layer of the drafter's cache)
+and an MLP of width `exit_mlp`, run on the anchor slot after the backbone's first `exit_layer` layers (0: on the
+block's input, as MTP's layer reads its own), then a norm, the drafter's LM head and sequential head as the full path
+uses them, and a confidence head of its own. Proposals of two or more positions never read it. It is trained with
+every other weight frozen (`DrafterTrainConfig.exit_only`), so the full block computes exactly what it did; a drafter
+grown with it (`train/surgery.py` `with_exit`) starts as a copy of the backbone layer it replaces, the final norm
+and the confidence head.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
+from dspark.drafters.backbone import layer_config
+from dspark.drafters.base import DrafterConfig
 from dspark.drafters.heads import ConfidenceHead
-from dspark.models.layers import RMSNorm, SwiGLU
+from dspark.models.decoder import DecoderLayer
+from dspark.models.layers import RMSNorm
 
 
 class Exit(nn.Module):
-    """The residual stream x [..., d] after the exit layer -> the hidden the LM head reads, norm(x + MLP(norm(x)))."""
+    """The exit's decoder layer (run by the backbone, `Backbone.run_paged` / `run_dense` with `then`), its final
+    norm and its confidence head (None where the drafter has none)."""
 
-    def __init__(self, hidden: int, width: int, eps: float, conf_rank: int | None) -> None:
-        """conf_rank: the confidence head's markov rank (0: it reads the hidden alone; None: no confidence head)."""
+    def __init__(self, cfg: DrafterConfig) -> None:
         super().__init__()
-        self.pre = RMSNorm(hidden, eps)
-        self.mlp = SwiGLU(hidden, width)
-        torch.nn.init.zeros_(self.mlp.down_proj.weight)  # adds nothing until training moves it
-        self.norm = RMSNorm(hidden, eps)
-        self.conf = ConfidenceHead(hidden, conf_rank) if conf_rank is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.norm(x + self.mlp(self.pre(x)))
+        self.layer = DecoderLayer(layer_config(cfg.replace(intermediate_size=cfg.exit_mlp), 1))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rank = cfg.rank if cfg.confidence_markov else 0
+        self.conf = ConfidenceHead(cfg.hidden_size, rank) if cfg.confidence else None

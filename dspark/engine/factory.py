@@ -114,9 +114,9 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     runner = engine.runner
     if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":
         refine = d.config.refine if d is not None else 0  # refining passes change what a proposal costs
-        exit_layer = d.config.exit_layer if d is not None else 0  # ... and so does an exit a one-position one
+        exits = d is not None and d.config.exit_mlp  # ... and so does an exit a one-position one
         name = f"{drafter}:{runner.gamma}" + (f":vocab{draft_vocab}" if draft_vocab else "") + \
-            (f":refine{refine}" if refine else "") + (f":exit{exit_layer}" if exit_layer else "")
+            (f":refine{refine}" if refine else "") + (f":exit{d.config.exit_layer}-{d.config.exit_mlp}" if exits else "")
         rows = (gate or GateConfig()).rows  # row shapes are timed only for an engine that prices by them
         key = profiler.profile_key(str(path), name, cfg.device, cfg.dtype, runner.gamma,
                                    cfg.max_num_batched_tokens, cfg.max_num_seqs, rows, cfg.pad_rows)

@@ -61,8 +61,9 @@ class DrafterTrainConfig:
     causal_block: bool = False  # dspark/dflash: block slots see only the slots before them (any depth is exact)
     anchor_mlp: int = 0  # dspark: width of an MLP only the anchor slot runs (0: none; `DrafterConfig.anchor_mlp`)
     slot_mlp: int = 0  # dspark: width of an MLP each block slot runs after every backbone layer (`DrafterConfig.slot_mlp`)
-    exit_layer: int = 0  # dspark with init_from: grow an early exit after this backbone layer (`DrafterConfig.exit_layer`)
-    exit_mlp: int = 0  # ... whose MLP is this wide (0: the layers' intermediate size)
+    exit_mlp: int = 0  # dspark with init_from: grow an early exit, a layer of its own whose MLP is this wide (0: none;
+    #                    `DrafterConfig.exit_mlp`) ...
+    exit_layer: int = 0  # ... run after this many backbone layers (0: on the block's input)
     exit_only: bool = False  # train the exit alone, every other weight frozen (the full block unchanged); the loss
     #                          and the held-out report are the exit's one position
     rank: int = 0  # the sequential head's rank (0: 64 for a new drafter, init_from's own otherwise)
@@ -97,8 +98,8 @@ class DrafterTrainConfig:
         return config_from_toml(cls, path, **overrides)
 
     def __post_init__(self) -> None:
-        if self.exit_only and not (self.exit_layer and self.init_from):
-            raise ValueError("exit_only trains an exit grown onto a trained drafter: it needs exit_layer and init_from")
+        if self.exit_only and not (self.exit_mlp and self.init_from):
+            raise ValueError("exit_only trains an exit grown onto a trained drafter: it needs exit_mlp and init_from")
 
     def loss_weights(self) -> LossWeights:
         return LossWeights(self.loss_ce, self.loss_tv, self.loss_conf, self.loss_soft_ce, self.loss_first)
@@ -315,8 +316,8 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
         drafter = with_anchor_mlp(drafter, cfg.anchor_mlp)
     if cfg.slot_mlp and cfg.slot_mlp != dcfg.slot_mlp:
         drafter = with_slot_mlp(drafter, cfg.slot_mlp)
-    if cfg.exit_layer and cfg.exit_layer != dcfg.exit_layer:
-        drafter = with_exit(drafter, cfg.exit_layer, cfg.exit_mlp or dcfg.intermediate_size)
+    if cfg.exit_mlp and not dcfg.exit_mlp:
+        drafter = with_exit(drafter, cfg.exit_layer, cfg.exit_mlp)
     head, rank = cfg.head or dcfg.head, cfg.rank or dcfg.rank
     if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
         drafter = reheaded(drafter, head, rank)

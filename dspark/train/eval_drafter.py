@@ -58,7 +58,7 @@ def evaluate_drafters(cfg: DrafterTrainConfig, drafters: Sequence[str], anchors:
         drafter = load_against(path, target, cfg)
         out[path] = {**evaluate(drafter, target, held, cfg, drafter.config.gamma, pad),
                      **walk(drafter, target, spread(held, cfg.batch_size * cfg.eval_batches), cfg, pad)}
-        if drafter.config.exit_layer:  # its early exit's one position on the same blocks (`exit_` keys)
+        if drafter.config.exit_mlp:  # its early exit's one position on the same blocks (`exit_` keys)
             exit_report = evaluate(drafter, target, held, cfg, drafter.config.gamma, pad, exits=True)
             out[path] |= {f"exit_{k}": v for k, v in exit_report.items() if not k.endswith("tau")}
     return {"settings": {k: getattr(cfg, k) for k in ("model", "heldout", "seq_len", "batch_size", "eval_batches",

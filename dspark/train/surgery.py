@@ -8,7 +8,7 @@ nothing) to the old computation, so the first step continues from the old held-o
 - `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r;
 - `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero);
 - `with_slot_mlp`: an MLP of its own for every block slot after every backbone layer (output projections at zero);
-- `with_exit`: a one-position proposal read after the first backbone layers (`drafters/exit.py`; a plain early exit).
+- `with_exit`: a decoder layer of its own for one-position proposals (`drafters/exit.py`; a copy of a backbone layer).
 """
 
 from __future__ import annotations
@@ -114,15 +114,21 @@ def reheaded(drafter, head: str, rank: int):
 
 
 def with_exit(drafter, layer: int, width: int):
-    """A copy of a DSpark drafter with an early exit after backbone layer `layer` (`drafters/exit.py`), starting as a
-    plain one: the final norm's weights and the confidence head copied, the MLP's output projection at zero. Its
-    full block computes exactly what it did."""
-    if drafter.config.kind != "dspark" or drafter.config.exit_layer:
+    """A copy of a DSpark drafter with an early exit (`drafters/exit.py`) whose layer runs after backbone layer
+    `layer` and has an MLP of the given width. The exit starts as a copy of backbone layer `layer` (its MLP too where
+    the widths agree; else that MLP's output starts at zero), of the final norm and of the confidence head: its one
+    position is then the first `layer` + 1 backbone layers' anchor slot. The full block computes exactly what it did."""
+    if drafter.config.kind != "dspark" or drafter.config.exit_mlp:
         raise ValueError(f"can give a dspark drafter without one an exit, not a {drafter.config.kind} drafter "
-                         f"with exit_layer={drafter.config.exit_layer}")
+                         f"with exit_mlp={drafter.config.exit_mlp}")
     exited, missing = rebuilt(drafter, exit_layer=layer, exit_mlp=width)
     assert all(k.startswith("exit.") for k in missing), missing
     with torch.no_grad():
+        source = {k: v for k, v in exited.backbone.layers[layer].state_dict().items()
+                  if width == drafter.config.intermediate_size or not k.startswith("mlp.")}
+        exited.exit.layer.load_state_dict(source, strict=False)
+        if width != drafter.config.intermediate_size:
+            exited.exit.layer.mlp.down_proj.weight.zero_()
         exited.exit.norm.weight.copy_(exited.backbone.norm.weight)
         if exited.exit.conf is not None:
             exited.exit.conf.load_state_dict(exited.conf.state_dict())

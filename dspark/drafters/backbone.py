@@ -116,11 +116,13 @@ class Backbone(nn.Module):
         ctx_pos = torch.arange(h_ctx.shape[1], device=x.device)
         ccos, csin = self.rotary.cos_sin(ctx_pos, x.dtype)
         bcos, bsin = self.rotary.cos_sin(block_pos, x.dtype)
-        for i, layer in enumerate([*self.layers[:layers], *([then] if then is not None else [])]):
-            ck, cv = self.context_kv(layer, h_ctx, ccos, csin)
-            x = layer_with_prefix(layer, x, bcos, bsin, ck, cv, mask)
-            x = self.after_layer(i, x, slots) if i < layers else x
-        return x
+
+        def through(layer: DecoderLayer, x: torch.Tensor) -> torch.Tensor:
+            return layer_with_prefix(layer, x, bcos, bsin, *self.context_kv(layer, h_ctx, ccos, csin), mask)
+
+        for i, layer in enumerate(self.layers[:layers]):
+            x = self.after_layer(i, through(layer, x), slots)
+        return x if then is None else through(then, x)
 
 
 def layer_with_prefix(layer: DecoderLayer, x: torch.Tensor, cos, sin, prefix_k: torch.Tensor,

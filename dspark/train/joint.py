@@ -88,13 +88,13 @@ def target_pass(target, batch, layers: list[int]):
 
 
 def member_step(m: Member, batch, tapped, t_logits, layers: list[int]) -> dict[str, float]:
-    cfg, g = m.cfg, m.gamma
+    cfg = m.cfg
     lr = cosine_lr(m.step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
     for group in m.opt.param_groups:
         group["lr"] = lr
     taps = tapped[:, :, [layers.index(t) for t in m.drafter.taps]].flatten(-2)
     logits, conf = trained_forward(m.drafter, cfg.exit_only)(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
-    loss, parts = positions_loss(cfg, logits, conf, t_logits[..., :g, :], batch)
+    loss, parts = positions_loss(cfg, logits, conf, t_logits, batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in m.drafter.parameters() if p.requires_grad], cfg.grad_clip)
     m.opt.step()

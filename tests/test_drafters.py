@@ -28,7 +28,7 @@ def bound(kind: str, target, **over):
     d = new_drafter(new_config(kind, target.config, 5, **over))
     with torch.no_grad():  # non-trivial sequential head and confidence weights
         for name, p in d.named_parameters():
-            if "w2" in name or "conf" in name:
+            if "w2" in name or "conf" in name or "mix_out" in name:  # mix_out: an mlp head's correction
                 p.normal_(0, 0.3)
     d.bind(target, 64, 4)
     return d
@@ -62,12 +62,39 @@ def serve_vs_train(kind: str, target, context: list[int], head: str = "markov", 
     return d, block, logits[0, 0], conf
 
 
-@pytest.mark.parametrize("head", ["markov", "gated", "rnn"])
+@pytest.mark.parametrize("head", ["markov", "gated", "rnn", "mlp"])
 def test_dspark_serving_equals_teacher_forced(target, head):
     d, block, logits, conf = serve_vs_train("dspark", target, list(range(3, 20)), head)
     assert block.tokens[0].tolist() == logits.argmax(-1).tolist()  # greedy: same tokens
     assert conf is not None and torch.allclose(block.confidence[0], torch.sigmoid(conf[0, 0]), atol=1e-5)
     assert d.pool.length("r") == 16  # the block's temporary slots were rolled back
+
+
+def test_an_mlp_head_reads_the_draft_before_each_position(target):
+    """The mlp head's correction enters every position's logits (zeroing it changes them); a sampled proposal draws
+    each position from the softmax of its teacher-forced logits given the tokens drawn before it; a greedy one over
+    a draft vocabulary takes each position's argmax over that vocabulary."""
+    context = list(range(3, 20))
+    d, block, logits, _ = serve_vs_train("dspark", target, context, "mlp")
+    inp = [ProposeInput("r", context[-1], len(context) - 1, context)]
+    sampled = d.propose(inp, SamplingRows.same(1, SamplingParams(temperature=1.0, seed=3)))
+    assert torch.allclose(sampled.probs[0], teacher_logits(d, target, context, sampled).softmax(-1), atol=1e-5)
+    ids = torch.arange(0, d.config.vocab_size, 2)
+    d.restrict_vocab(ids.tolist())
+    narrow = d.propose(inp, SamplingRows.same(1, SamplingParams(temperature=0.0)))
+    d.restrict_vocab(None)
+    assert narrow.tokens[0].tolist() == ids[teacher_logits(d, target, context, narrow)[:, ids].argmax(-1)].tolist()
+    without = teacher_forced_without(d, target, context, block, d.head.mix_out.weight)
+    assert not torch.allclose(logits, without, atol=1e-3)
+
+
+def teacher_logits(d, target, context: list[int], block) -> torch.Tensor:
+    """The block's teacher-forced logits [g, V] over context + its drafted tokens."""
+    full = torch.tensor([context + block.tokens[0].tolist()])
+    with torch.no_grad():
+        _, taps = target.forward_dense(full, d.taps)
+        teacher, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
+    return teacher[0, 0]
 
 
 def test_greedy_requests_read_the_greedy_temperatures(target):
@@ -193,10 +220,12 @@ def test_context_residual_starts_as_the_drafter_it_grows_from(target):
         new_config("eagle3", target.config, 5, context_residual=True)
 
 
-@pytest.mark.parametrize(("head", "rank", "atol"), [("markov", 96, 1e-5), ("gated", 64, 0.05), ("rnn", 64, 0.05)])
+@pytest.mark.parametrize(("head", "rank", "atol"),
+                         [("markov", 96, 1e-5), ("gated", 64, 0.05), ("rnn", 64, 0.05), ("mlp", 64, 1e-5)])
 def test_a_reheaded_drafter_starts_from_the_markov_head_it_grows_from(target, head, rank, atol):
-    """A wider Markov head computes the old logits and confidences (up to rounding); a gated or RNN head
-    starts close to them (an open gate; tanh of a small embedding); the backbone is carried whole."""
+    """A wider Markov head computes the old logits and confidences (up to rounding), and so does an mlp head (its
+    correction starts at zero); a gated or RNN head starts close to them (an open gate; tanh of a small embedding);
+    the backbone is carried whole."""
     from dspark.train.surgery import reheaded
 
     d = bound("dspark", target)
@@ -206,7 +235,7 @@ def test_a_reheaded_drafter_starts_from_the_markov_head_it_grows_from(target, he
     (a, ca), (b, cb) = old_and_grown(d, new, target)
     assert (new.config.head, new.config.rank) == (head, rank)
     assert torch.allclose(a, b, atol=atol, rtol=0) and torch.allclose(ca, cb, atol=atol, rtol=0)
-    assert head == "markov" or not torch.allclose(a, b, atol=1e-5, rtol=0)  # a new head kind is another function
+    assert head in ("markov", "mlp") or not torch.allclose(a, b, atol=1e-5, rtol=0)  # another function
     with pytest.raises(ValueError, match="rehead"):
         reheaded(d, "markov", 32)
 

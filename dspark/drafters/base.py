@@ -26,7 +26,7 @@ import torch
 from dspark.sampling import SamplingRows
 
 KINDS = ("dspark", "dflash", "eagle3", "mtp", "ngram", "suffix", "auto")
-HEADS = ("markov", "gated", "rnn", "none")
+HEADS = ("markov", "gated", "rnn", "mlp", "none")
 LAYER_TYPES = ("qwen3", "llama")
 
 
@@ -45,7 +45,7 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     vocab_size: int = 8192
     mask_token_id: int = 0
-    head: str = "markov"  # sequential head: markov | gated | rnn | none
+    head: str = "markov"  # sequential head: markov | gated | rnn | mlp | none
     rank: int = 64  # low rank r of the sequential head
     confidence: bool = True
     sts_temperatures: tuple[float, ...] = ()  # per-position STS temperatures (empty: raw)

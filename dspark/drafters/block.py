@@ -31,6 +31,8 @@ class BlockDrafter(NeuralDrafter):
         self.backbone = Backbone(config)
         self.head = SequentialHead(config.head, config.vocab_size, config.rank, config.hidden_size) \
             if config.head != "none" else None
+        if self.head is not None and config.head == "mlp":
+            self.head.project = self.lm_head  # its correction is read through the same head as the base logits
         self.conf = ConfidenceHead(config.hidden_size, config.rank if config.confidence_markov else 0) \
             if config.confidence else None
         self.anchor = SwiGLU(config.hidden_size, config.anchor_mlp) if config.anchor_mlp else None

@@ -4,7 +4,11 @@ A sequential head adds a prefix-dependent bias B_k to the backbone's base logits
 draft token x_k depends on the tokens sampled before it in the block:
 - markov: B = W1[x_{k-1}] W2 (low rank r);
 - gated:  g = sigmoid(Wg [h_k; W1[x_{k-1}]] + b), B = W2 (g * W1[x_{k-1}]);
-- rnn:    z = [s_{k-1}; W1[x_{k-1}]; h_k] -> gate/candidate/output, B = tanh(o) W2.
+- rnn:    z = [s_{k-1}; W1[x_{k-1}]; h_k] -> gate/candidate/output, B = tanh(o) W2;
+- mlp:    the markov bias plus a correction of the hidden state read through the target's LM head E:
+          B = W1[x_{k-1}] W2 + E W_o silu(W_i [h_k; W1[x_{k-1}]]) (W_o starts at zero: the markov head it grows from).
+          Logit-space heads learn their W2 from zero over the vocabulary; this one moves h_k in the space the
+          LM head already reads, and x_{k-1} and h_k meet through a nonlinearity (not a bias added after).
 `step` is the one code path used both when sampling left to right and when teacher-forcing
 in training (`teacher` loops `step` over the block), so the two cannot drift apart.
 The confidence head reads [h_k; W1[x_{k-1}]], known before x_k is drawn (non-anticipating).
@@ -40,12 +44,17 @@ class SequentialHead(nn.Module):
             self.gate = nn.Linear(hidden + rank, rank)
         elif kind == "rnn":
             self.cell = nn.Linear(2 * rank + hidden, 3 * rank)
+        elif kind == "mlp":
+            self.mix_in = nn.Linear(hidden + rank, hidden)
+            self.mix_out = nn.Linear(hidden, hidden, bias=False)
+            nn.init.zeros_(self.mix_out.weight)  # adds nothing until training moves it
         self.rank = rank
         self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
         self.fused: Fused | None = None  # W2's product over every token, serving (`out`)
         self.table: torch.Tensor | None = None  # markov over a draft vocabulary: [N, N] bias after each draft token
         self.row_of: dict[int, int] = {}  # token id -> its row of the table (the draft vocabulary's tokens)
         self.narrow = True  # whether this proposal biases the draft vocabulary alone (`NeuralDrafter.select_vocab`)
+        self.project = None  # mlp: the drafter's LM head (hidden [..., d] -> float32 logits over what it scores)
 
     def restrict(self, ids: torch.Tensor | None) -> None:
         """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
@@ -90,6 +99,10 @@ class SequentialHead(nn.Module):
         if self.kind == "gated":
             g = torch.sigmoid(self.gate(torch.cat([h, e], dim=-1)))
             return self.out(g * e), e, state
+        if self.kind == "mlp":
+            assert self.project is not None, "an mlp head reads through its drafter's LM head (set `project`)"
+            fix = self.mix_out(nn.functional.silu(self.mix_in(torch.cat([h, e.to(h.dtype)], dim=-1))))
+            return self.out(e).float() + self.project(fix), e, state
         s = state if state is not None else torch.zeros_like(e)
         gate, cand, out = self.cell(torch.cat([s, e, h], dim=-1)).chunk(3, dim=-1)
         g = torch.sigmoid(gate)

@@ -55,7 +55,7 @@ class DrafterTrainConfig:
     export_dir: str = ""
     gamma: int = 0  # 0: the kind's default (7; MTP 1)
     num_layers: int = 0  # 0: the kind's default (2; EAGLE-3/MTP 1)
-    head: str = ""  # dspark: markov | gated | rnn
+    head: str = ""  # dspark: markov | gated | rnn | mlp
     taps: tuple[int, ...] = ()  # target layers the drafter reads (empty: the kind's default)
     context_residual: bool = False  # dspark/dflash: the feature before the anchor into every slot's residual
     causal_block: bool = False  # dspark/dflash: block slots see only the slots before them (any depth is exact)

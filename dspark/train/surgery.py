@@ -5,7 +5,7 @@ weight that still fits is carried, and every new weight starts where it adds not
 nothing) to the old computation, so the first step continues from the old held-out acceptance.
 - `grow`: more backbone layers (new output projections at zero);
 - `with_context_residual`: the feature before the anchor into every block slot (projection at zero);
-- `reheaded`: another sequential head (`markov` -> `gated` / `rnn`) or a wider rank r;
+- `reheaded`: another sequential head (`markov` -> `gated` / `rnn` / `mlp`) or a wider rank r;
 - `with_anchor_mlp`: an MLP of its own for the anchor slot (output projection at zero);
 - `with_slot_mlp`: an MLP of its own for every block slot after every backbone layer (output projections at zero);
 - `with_exit`: a decoder layer of its own for one-position proposals (`drafters/exit.py`; a copy of a backbone layer).
@@ -84,10 +84,11 @@ def reheaded(drafter, head: str, rank: int):
     Markov head computes exactly the old bias. A `gated` head starts with its gate open (bias
     `OPEN_GATE`, weights zero): the bias of the Markov head it grows from, scaled by 0.9975. An
     `rnn` head starts with its output reading the Markov embedding (W_o = [0; I; 0]) and its state
-    closed: B = W2 tanh(W1[x]), the old bias where the embedding is small."""
+    closed: B = W2 tanh(W1[x]), the old bias where the embedding is small. An `mlp` head keeps the Markov head whole
+    and its correction's output projection starts at zero: exactly the old bias."""
     cfg = drafter.config
-    if cfg.kind != "dspark" or cfg.head != "markov" or head not in ("markov", "gated", "rnn") or rank < cfg.rank:
-        raise ValueError(f"can rehead a dspark drafter's markov head to markov/gated/rnn at rank >= {cfg.rank}, "
+    if cfg.kind != "dspark" or cfg.head != "markov" or head not in ("markov", "gated", "rnn", "mlp") or rank < cfg.rank:
+        raise ValueError(f"can rehead a dspark drafter's markov head to markov/gated/rnn/mlp at rank >= {cfg.rank}, "
                          f"not a {cfg.kind} drafter's {cfg.head!r} head to {head!r} at rank {rank}")
     new = new_drafter(cfg.replace(head=head, rank=rank))
     old_state, r, d = drafter.state_dict(), cfg.rank, cfg.hidden_size

@@ -87,6 +87,9 @@ def check_exportable(cfg: DrafterConfig) -> None:
                          "predicts x_1 and the full vocabulary")
     if cfg.head == "none":
         raise ValueError("DeepSpec's DSpark requires a sequential head (markov_rank > 0)")
+    if cfg.head not in HEADS.values():
+        raise ValueError(f"DeepSpec's DSpark has no {cfg.head!r} sequential head (its kinds: vanilla, gated, rnn): "
+                         "this drafter's head reads weights that format (and the servers reading it) cannot hold")
     if cfg.causal_block:
         raise ValueError("DeepSpec's DSpark block is bidirectional: this drafter was trained with a causal block "
                          "(causal_block), which that format (and the servers reading it) cannot express")

@@ -110,6 +110,30 @@ def test_init_from_changes_the_sequential_head_and_keeps_the_rank_unless_told(qw
         build(config(qwen3_dir, saved, head="markov"))
 
 
+def test_grown_lr_moves_the_weights_a_surgery_added_at_their_own_rate(qwen3_dir, saved):
+    """With grown_lr, the weights an mlp head adds (and only they) train at that peak rate: at lr 1e-9 for the rest,
+    the saved weights end within rounding of where they started and the grown ones move; without it, nothing
+    grown moves beyond what the tiny lr allows. The optimizer's groups carry the scale a resumed run reads back."""
+    from dspark.train.drafter import optimizer, trainable
+
+    start = load_drafter(str(saved / "start")).state_dict()
+    moves = {}
+    for grown_lr in (0.0, 1e-2):
+        out_dir = saved / f"out{grown_lr}"
+        cfg = dataclasses.replace(config(qwen3_dir, saved, head="mlp", lr=1e-9, grown_lr=grown_lr,
+                                         export_dir=str(out_dir)), run_dir=str(saved / f"run{grown_lr}"))
+        _, _, drafter, _ = build(cfg)
+        assert drafter.grown == {"head.mix_in.weight", "head.mix_in.bias", "head.mix_out.weight"}
+        scales = [g["scale"] for g in optimizer(trainable(drafter, cfg), cfg, drafter).param_groups]
+        assert scales == ([1.0, 1e7] if grown_lr else [1.0])
+        train(cfg)
+        out = load_drafter(str(out_dir)).state_dict()
+        for name in start:
+            assert torch.allclose(out[name].float(), start[name].float(), atol=1e-6), name
+        moves[grown_lr] = (out["head.mix_out.weight"].float().abs().max().item())
+    assert moves[0.0] < 1e-6 < 1e-4 < moves[1e-2]  # mix_out starts at zero
+
+
 def test_eval_drafter_measures_a_saved_drafter_as_training_does(qwen3_dir, saved):
     from dspark.train.drafter import evaluate, read_rows
     from dspark.train.eval_drafter import evaluate_drafters

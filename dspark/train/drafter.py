@@ -86,6 +86,8 @@ class DrafterTrainConfig:
     loss_conf: float = 1.0
     loss_soft_ce: float = 0.0  # dspark: weight of soft CE against the target (0: the paper's loss)
     loss_first: float = 1.0  # the first block position's weight, a multiple of the kind's schedule (`position_weights`)
+    grown_lr: float = 0.0  # with init_from: the peak lr of the weights the config's surgery added (a new head's, an
+    #                        exit's, ...; same schedule), where a small lr for the trained ones barely moves them (0: lr)
     seed: int = 0
     eval_every: int = 200
     eval_batches: int = 4
@@ -299,7 +301,7 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     from dspark.drafters.registry import load_drafter
 
     drafter = load_drafter(cfg.init_from)
-    dcfg = drafter.config
+    dcfg, before = drafter.config, {k: v.shape for k, v in drafter.state_dict().items()}
     if dcfg.kind != cfg.kind:
         raise ValueError(f"init_from holds a {dcfg.kind!r} drafter, not {cfg.kind!r}")
     if dcfg.vocab_size != target_config.vocab_size or dcfg.hidden_size != target_config.hidden_size:
@@ -322,6 +324,7 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     if cfg.kind == "dspark" and (head, rank) != (dcfg.head, dcfg.rank):
         drafter = reheaded(drafter, head, rank)
     drafter.config = drafter.config.replace(sts_temperatures=(), sts_greedy=(), taps=tuple(cfg.taps) or dcfg.taps)
+    drafter.grown = frozenset(k for k, v in drafter.state_dict().items() if before.get(k) != v.shape)
     return drafter.float()
 
 
@@ -358,8 +361,22 @@ def write_checksum(module: torch.nn.Module, run_dir: str, rank: int) -> None:
     path.write_text(h.hexdigest() + "\n")
 
 
-def optimizer(params: list[torch.nn.Parameter], cfg: DrafterTrainConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+def optimizer(params: list[torch.nn.Parameter], cfg: DrafterTrainConfig, drafter=None) -> torch.optim.Optimizer:
+    """AdamW over params; with `grown_lr`, the drafter's grown weights (`initial_drafter`) in a group of their own whose
+    `scale` multiplies the schedule's lr (`set_lr`)."""
+    grown = getattr(drafter, "grown", frozenset()) if cfg.grown_lr else frozenset()
+    ids = {id(p) for name, p in drafter.named_parameters() if name in grown} if grown else set()
+    groups = [{"params": [p for p in params if id(p) not in ids], "scale": 1.0}]
+    if ids:
+        groups.append({"params": [p for p in params if id(p) in ids], "scale": cfg.grown_lr / cfg.lr})
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.95),
+                             weight_decay=cfg.weight_decay)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """The schedule's lr for this step into every group, times the group's scale (grown weights, `grown_lr`)."""
+    for group in opt.param_groups:
+        group["lr"] = lr * group.get("scale", 1.0)
 
 
 def checkpoint_state(drafter, opt, step: int, cfg: DrafterTrainConfig) -> dict:
@@ -373,7 +390,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
     target, tok, drafter, dcfg = build(cfg)
     pad = tok.pad_id
     params = trainable(drafter, cfg)
-    opt = optimizer(params, cfg)
+    opt = optimizer(params, cfg, drafter)
     state, step = load_state(cfg.run_dir, rank, world), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -393,8 +410,7 @@ def train(cfg: DrafterTrainConfig) -> dict:
 
     while step < cfg.max_steps:
         lr = cosine_lr(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        set_lr(opt, lr)
         batch = batch_at(rows, cfg, dcfg.gamma, step, rank, pad)
         taps, t_logits = block_targets(target, batch, dcfg.taps)
         logits, conf = forward_on(trained_forward(model, cfg.exit_only), taps, batch, cfg)

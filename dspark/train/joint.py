@@ -34,6 +34,7 @@ from dspark.train.drafter import (
     optimizer,
     positions_loss,
     read_rows,
+    set_lr,
     trainable,
     trained_forward,
 )
@@ -71,7 +72,7 @@ def check_shared(cfgs: list[DrafterTrainConfig]) -> None:
 
 def member(cfg: DrafterTrainConfig, loaded) -> Member:
     _, _, drafter, dcfg = build(cfg, loaded)
-    opt = optimizer(trainable(drafter, cfg), cfg)
+    opt = optimizer(trainable(drafter, cfg), cfg, drafter)
     state, step = load_checkpoint(cfg.run_dir), 0
     if state is not None:
         drafter.load_state_dict(state["model"])
@@ -90,8 +91,7 @@ def target_pass(target, batch, layers: list[int]):
 def member_step(m: Member, batch, tapped, t_logits, layers: list[int]) -> dict[str, float]:
     cfg = m.cfg
     lr = cosine_lr(m.step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
-    for group in m.opt.param_groups:
-        group["lr"] = lr
+    set_lr(m.opt, lr)
     taps = tapped[:, :, [layers.index(t) for t in m.drafter.taps]].flatten(-2)
     logits, conf = trained_forward(m.drafter, cfg.exit_only)(taps, batch.tokens, batch.anchors, conf_stop_grad=cfg.conf_stop_grad)
     loss, parts = positions_loss(cfg, logits, conf, t_logits, batch)

@@ -69,7 +69,7 @@ def test_export_refuses_what_the_formats_cannot_hold(tmp_path):
         export(str(ours), str(TARGET), "deepspec", str(tmp_path / "x"))
 
 
-def test_export_refuses_a_causal_block(tmp_path):
+def test_export_refuses_a_causal_block_and_an_mlp_head(tmp_path):
     from dspark.drafters.formats.deepspec import check_exportable
     from dspark.drafters.registry import load_drafter
 
@@ -77,6 +77,8 @@ def test_export_refuses_a_causal_block(tmp_path):
     check_exportable(cfg)
     with pytest.raises(ValueError, match="causal"):
         check_exportable(cfg.replace(causal_block=True))
+    with pytest.raises(ValueError, match="'mlp' sequential head"):
+        check_exportable(cfg.replace(head="mlp"))
 
 
 def test_eagle3_in_the_published_layout_exports_to_speculators(tmp_path):

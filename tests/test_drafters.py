@@ -118,12 +118,9 @@ def test_greedy_requests_read_the_greedy_temperatures(target):
 
 def teacher_forced_without(d, target, context: list[int], block, weight: torch.Tensor) -> torch.Tensor:
     """The block's teacher-forced logits [g, V] over context + its drafted tokens with `weight` zeroed."""
-    full = torch.tensor([context + block.tokens[0].tolist()])
     with torch.no_grad():
-        _, taps = target.forward_dense(full, d.taps)
         weight.zero_()
-        without, _ = d.train_forward(taps, full, torch.tensor([[len(context) - 1]]))
-    return without[0, 0]
+    return teacher_logits(d, target, context, block)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.drafters.base import HEADS
 from dspark.drafters.registry import new_drafter
 
 OPEN_GATE = 6.0  # sigmoid(6) = 0.9975: a new gate starts open, passing the Markov embedding through
@@ -87,7 +88,7 @@ def reheaded(drafter, head: str, rank: int):
     closed: B = W2 tanh(W1[x]), the old bias where the embedding is small. An `mlp` head keeps the Markov head whole
     and its correction's output projection starts at zero: exactly the old bias."""
     cfg = drafter.config
-    if cfg.kind != "dspark" or cfg.head != "markov" or head not in ("markov", "gated", "rnn", "mlp") or rank < cfg.rank:
+    if cfg.kind != "dspark" or cfg.head != "markov" or head not in HEADS or head == "none" or rank < cfg.rank:
         raise ValueError(f"can rehead a dspark drafter's markov head to markov/gated/rnn/mlp at rank >= {cfg.rank}, "
                          f"not a {cfg.kind} drafter's {cfg.head!r} head to {head!r} at rank {rank}")
     new = new_drafter(cfg.replace(head=head, rank=rank))

@@ -2,7 +2,8 @@
 
 Each group pads some requests' queries to one grid; a query of request r at position p sees key j of
 its context when j < context_len (and j <= p when causal), a padded query sees key 0 at least, and the
-index fields name the flat rows and cache blocks in order. Checked on seeded random layouts (decode
+index fields name the flat rows and cache blocks in order; a grid's keys are a multiple of
+`KEY_MULTIPLE` (the width a row's sum over its keys is the same for). Checked on seeded random layouts (decode
 rows, verify rows, prefill chunks, several requests, causal or not) against that definition, one
 element at a time.
 """
@@ -13,7 +14,7 @@ import random
 
 import pytest
 
-from dspark.models.attention import AttentionMetadata
+from dspark.models.attention import KEY_MULTIPLE, AttentionMetadata
 from dspark.models.buckets import bucket
 
 
@@ -28,7 +29,9 @@ def random_layout(rng: random.Random):
 
 def check_group(group, members, query_lens, context_lens, tables, starts, block_size, causal) -> None:
     num_q = max(query_lens[r] for r in members)
-    width = bucket(-(-max(context_lens[r] for r in members) // block_size))
+    shaped = bucket(-(-max(context_lens[r] for r in members) // block_size))  # whole blocks, a recurring size
+    per = next(n for n in range(1, KEY_MULTIPLE + 1) if n * block_size % KEY_MULTIPLE == 0)
+    width = -(-shaped // per) * per  # the fewest blocks from there whose keys are a multiple of KEY_MULTIPLE
     assert tuple(group.mask.shape) == (len(members), 1, num_q, width * block_size)
     mask = group.mask[:, 0].tolist()
     valid_rows = []

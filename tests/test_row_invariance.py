@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dspark.engine.batch import BatchRow
-from dspark.models.attention import AttentionMetadata
+from dspark.models.attention import AttentionMetadata, group_attention
 from tests.test_spec_engine import engine_for
 
 
@@ -77,3 +77,23 @@ def test_a_one_token_row_padded_into_the_verify_grid_gets_what_its_own_grid_give
         _, alone = runner.target_forward([decode])
         _, both = runner.target_forward([decode, verify])
     assert (alone.logits[0] - both.logits[0]).abs().max().item() <= tol
+
+
+def test_a_verify_row_attends_exactly_as_its_plain_step_at_every_context():
+    """Row i of an 8-token verify grid (context c + 8) against the plain step of its position (context c + i + 1),
+    for every context up to 300 with 16-token blocks: the grids' widths differ by up to a block, and the masked keys
+    past a row's context must not change its bfloat16 sum over the keys (`grid_blocks`). On an AMX CPU a grid of
+    112 keys summed differently from one of 96 and flipped greedy tokens of dspark-small; 32 query heads of 64
+    dimensions make such a rounding difference likely to show."""
+    gen = torch.Generator().manual_seed(3)
+    kv_heads, heads, dim, bs, n = 8, 32, 64, 16, 8
+    slots = 320 + n + bs
+    k_cache, v_cache = (torch.randn(kv_heads, slots, dim, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(slots, heads, dim, generator=gen).bfloat16()
+    table = list(range(slots // bs))
+    for c in range(1, 300):
+        verify = AttentionMetadata.build([n], [c + n], [table], bs, "cpu").groups[0]
+        rows = group_attention(q[c : c + n], k_cache, v_cache, verify, bs)
+        for i in range(n):
+            plain = AttentionMetadata.build([1], [c + i + 1], [table], bs, "cpu").groups[0]
+            assert torch.equal(group_attention(q[c + i : c + i + 1], k_cache, v_cache, plain, bs)[0], rows[i]), (c, i)

@@ -14,6 +14,7 @@ keep their own.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,12 +27,13 @@ from dspark.device import upload
 from dspark.models.buckets import bucket
 
 SHORT_QUERY = 16  # requests with at most this many new tokens (decode, verify) share one padded grid
+KEY_MULTIPLE = 64  # a grid's keys are a multiple of this many (`grid_blocks`)
 
 
 @dataclass(frozen=True)
 class AttentionGroup:
     """Requests whose queries are padded to one grid. For R requests of the group, Q = their
-    longest query, K = their longest context rounded up to whole blocks (B of `block_size`):"""
+    longest query, K = their longest context rounded up to whole blocks (B of `block_size`, `grid_blocks`):"""
 
     query_index: torch.Tensor  # [R, Q] flat index of request r's i-th new token (0 = pad)
     query_rows: torch.Tensor  # [n] long: the valid entries of the flattened [R, Q] grid, in order
@@ -155,6 +157,18 @@ def _inverse(permutation: Sequence[int]) -> list[int]:
     return inverse
 
 
+def grid_blocks(context: int, block_size: int) -> int:
+    """Blocks of a grid whose longest context is `context` tokens: whole blocks, a few more so that the grid's
+    shape recurs (`models/buckets.py`), and keys a multiple of KEY_MULTIPLE. The masked keys past a row's context
+    must leave its sum over the keys unchanged, and a batched bfloat16 product sums its keys in chunks that
+    depend on how many there are: on an AMX CPU (Intel Xeon, family 6, model 167) 48, 112 and 240 keys are
+    chunked differently from the multiples of 32 around them, so a verify row whose grid was 112 keys wide
+    rounded differently from the plain step at 96 it stands for, and greedy output left plain decoding
+    (`tests/test_row_invariance.py`). Multiples of 32 and of 64 summed the same on every context tried there."""
+    per = KEY_MULTIPLE // math.gcd(KEY_MULTIPLE, block_size)  # blocks per KEY_MULTIPLE keys
+    return -(-bucket(-(-context // block_size)) // per) * per
+
+
 def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
            starts: Sequence[int], block_size: int, device, causal: bool) -> AttentionGroup:
     """The padded grid of some requests whose new tokens start at flat offsets `starts`. Built in NumPy on
@@ -162,8 +176,7 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     in a drafted step (the target's grid and the drafter's)."""
     qlens, clens = np.asarray(query_lens, dtype=np.int64), np.asarray(context_lens, dtype=np.int64)
     num_q = int(qlens.max())
-    exact = -(-int(clens.max()) // block_size)  # whole blocks up to the longest context
-    width = bucket(exact)  # and a few more, masked, so the grid's shape recurs (`models/buckets.py`)
+    width = grid_blocks(int(clens.max()), block_size)
     offs = np.arange(num_q)
     query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
     query_index = np.where(query_valid, np.asarray(starts, dtype=np.int64)[:, None] + offs[None, :], 0)
@@ -179,6 +192,7 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     mask = mask | ~query_valid[:, :, None] & (keys == 0)  # [R, Q, K]; padded rows see key 0: no NaN
     dense = all(n == num_q for n in query_lens) and list(starts) == [i * num_q for i in range(len(starts))]
     first = block_tables[0][0] if len(block_tables) == 1 else None
+    exact = -(-int(clens.max()) // block_size)  # the blocks that hold context
     consecutive = first is not None and list(block_tables[0][:exact]) == list(range(first, first + exact))
     return AttentionGroup(
         dense=dense,

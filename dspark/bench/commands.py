@@ -7,6 +7,7 @@
     dspark bench soak      the server under mixed load and faults for --duration s: RSS, KV pool, errors
     dspark bench host      per-step host time near the start vs the end of a 4,000-token generation
     dspark bench steps     the anatomy of a drafted step against a plain one (proposal / plain, drafted / plain)
+    dspark bench exact     greedy output of every drafter x policy against plain decoding, alone and batched
 """
 
 from __future__ import annotations
@@ -135,6 +136,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     a.add_argument("--concurrency", type=int, default=None, help="requests stepped together (default 1)")
     a.set_defaults(func=run_steps)
 
+    x = sub.add_parser("exact", help="greedy output of every drafter x policy against plain decoding, alone and batched")
+    _common(x)
+    x.add_argument("--configs", type=lambda s: [c.strip() for c in s.split(";") if c.strip()], default=None,
+                   help="';'-separated DRAFTER:POLICY (default: every drafter x static:7 and dspark)")
+    x.add_argument("--num-prompts", type=int, default=None, help="per dataset (gsm8k, humaneval, mt-bench; default 4)")
+    x.add_argument("--max-tokens", type=int, default=None, help="default 128")
+    x.add_argument("--concurrency", type=_ints, default=None, help="prompts started together (default 1,12)")
+    x.set_defaults(func=run_exact)
+
     t = sub.add_parser("goals", help="the project's benchmark goals checked against committed results (measures nothing)")
     t.add_argument("--results", default=None, help="results tree with offline/, online/, peers/ (default docs/results)")
     t.set_defaults(func=run_goals)
@@ -228,6 +238,21 @@ def run_host(args: argparse.Namespace) -> int:
 
     host.run(host.HostSettings(max_tokens=args.max_tokens, drafters=tuple(args.drafters)), args.out or f"{DEFAULT_OUT}/host")
     return 0
+
+
+def run_exact(args: argparse.Namespace) -> int:
+    """Exit status 1 where a configuration parted from plain decoding with each prompt alone."""
+    from dspark.bench import exact
+
+    fields = {"num_prompts": 1, "max_tokens": 24, "concurrency": (1, 2)} if args.quick else {}
+    fields.update(_given(args, model="model", device="device", num_prompts="num_prompts", max_tokens="max_tokens"))
+    if args.concurrency is not None:
+        fields["concurrency"] = tuple(args.concurrency)
+    if args.configs is not None:
+        fields["configs"] = tuple(args.configs)
+    data = exact.run(exact.ExactSettings(**fields), _out(args, "exact"))
+    print(exact.markdown(data))
+    return 0 if data["alone_exact"] else 1
 
 
 def run_steps(args: argparse.Namespace) -> int:

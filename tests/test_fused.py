@@ -179,3 +179,20 @@ def test_a_padded_product_gives_each_row_what_the_row_alone_gets():
         for i in (0, 7, 20):
             assert torch.equal(whole[i], product(x[i : i + 1])[0])
         assert torch.equal(product(x.view(3, 7, 32)), whole.view(3, 7, 96))
+
+
+@pytest.mark.skipif(not packable(torch.zeros(1, dtype=torch.bfloat16)), reason="blocked products: CPU bfloat16")
+def test_a_long_reduction_gives_each_row_what_the_row_alone_gets_at_any_number_of_rows():
+    """dspark-small's down projection reads 768 inputs: on an AMX CPU oneDNN rounded some rows of a bfloat16 product
+    of more than 32 such rows otherwise than the same rows alone, and greedy output under load depended on what
+    shared a step. Such products run `ROWS` rows at a time; every row of 1 to 100 equals its one-row product
+    (bfloat16, where exactness is the rule; float32's one row takes another kernel, `Product`)."""
+    torch.manual_seed(0)
+    w = (torch.randn(256, 768) * 0.05).bfloat16()
+    product, x = Product(w, None, [w]), torch.randn(100, 768).bfloat16()
+    assert product.long and fused_module.ROWS == 32
+    with torch.no_grad():
+        alone = torch.cat([product(x[i : i + 1]) for i in range(100)])
+        for n in (2, 31, 32, 33, 40, 64, 65, 96, 100):
+            assert torch.equal(product(x[:n]), alone[:n]), n
+        assert torch.equal(product(x.view(4, 25, 768)), alone.view(4, 25, 256))

@@ -80,3 +80,11 @@ def test_steps_config_errors():
             parse_config(bad)
     with pytest.raises(ValueError, match="include none"):
         run(StepsSettings(configs=("dspark:static:7",)), "/tmp/unused")
+
+
+def test_exact_quick(tmp_path):
+    res = bench("exact", "--configs", "dspark:static:3;ngram:dspark", out=tmp_path)
+    assert res["alone_exact"] and res["settings"]["concurrency"] == [1, 2]
+    assert [(r["config"], r["together"]) for r in res["rows"]] == [
+        ("none", 2), ("dspark:static:3", 1), ("dspark:static:3", 2), ("ngram:dspark", 1), ("ngram:dspark", 2)]
+    assert "= plain alone" in (tmp_path / "exact.md").read_text()

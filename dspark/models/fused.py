@@ -54,7 +54,7 @@ class Product:
     memory (dspark-small's 8192 x 256 LM head, bfloat16, one row: 92 µs plain, 43 µs blocked).
     Its rows are padded to a `bucket` size, whose kernel oneDNN has most likely built already.
     One float32 row keeps the plain product: there the blocked one made a plain decoding step
-    no faster (AVX2 CPU). A product whose reduction is long (`LONG` inputs or more) runs at most
+    no faster (AVX2 CPU). On CPU a product whose reduction is long (`LONG` inputs or more) runs at most
     `ROWS` rows at a time: on an AMX CPU (Intel Xeon, family 6, model 167) oneDNN rounded some rows
     of a bfloat16 product of 512 or more inputs otherwise once it had more than 32 rows (products
     of 256 and 384 inputs, and every product of up to 32 rows, gave each row what it gets alone,
@@ -65,7 +65,8 @@ class Product:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sources: list[torch.Tensor]) -> None:
         self.weight, self.bias, self.sources = weight, bias, sources
         self.packable = packable(weight)  # the weight's device and dtype never change (a `.to()` fuses anew)
-        self.long = weight.shape[-1] >= LONG  # a reduction whose kernels round a row by how many share it
+        # a reduction whose CPU kernels round a row by how many share it (on CUDA nothing measured asks for chunks)
+        self.long = weight.device.type == "cpu" and weight.shape[-1] >= LONG
         self.blocked: torch.Tensor | None = None
         self.versions: list[int] = []  # the sources' versions when blocked
 

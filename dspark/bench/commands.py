@@ -23,6 +23,11 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x]
 
 
+def _configs(text: str) -> list[str]:
+    """';'-separated configurations, e.g. 'none;dspark:static:7'."""
+    return [c.strip() for c in text.split(";") if c.strip()]
+
+
 def _names(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
@@ -128,7 +133,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
     a = sub.add_parser("steps", help="the anatomy of a drafted step against a plain one, side by side")
     _common(a)
-    a.add_argument("--configs", type=lambda s: [c.strip() for c in s.split(";") if c.strip()], default=None,
+    a.add_argument("--configs", type=_configs, default=None,
                    help="';'-separated: none;DRAFTER:POLICY[@N] (default none;dspark:static:7;dspark:dspark)")
     a.add_argument("--num-prompts", type=int, default=None, help="per dataset (gsm8k, humaneval, mt-bench)")
     a.add_argument("--max-tokens", type=int, default=None)
@@ -138,7 +143,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
     x = sub.add_parser("exact", help="greedy output of every drafter x policy against plain decoding, alone and batched")
     _common(x)
-    x.add_argument("--configs", type=lambda s: [c.strip() for c in s.split(";") if c.strip()], default=None,
+    x.add_argument("--configs", type=_configs, default=None,
                    help="';'-separated DRAFTER:POLICY (default: every drafter x static:7 and dspark)")
     x.add_argument("--num-prompts", type=int, default=None, help="per dataset (gsm8k, humaneval, mt-bench; default 4)")
     x.add_argument("--max-tokens", type=int, default=None, help="default 128")

@@ -14,7 +14,7 @@ import time
 import torch
 
 from dspark import report
-from dspark.bench.prompts import load_prompt_texts
+from dspark.bench.prompts import ONE_PER_DOMAIN, load_prompt_texts
 
 
 def ours(engine, prompts: list[list[int]], max_tokens: int) -> float:
@@ -49,7 +49,7 @@ def run(model: str | None, concurrency: list[int], max_tokens: int, repeats: int
     net, tok = load_model(path, "cpu", "float32")
     engine = assemble(net, tok, EngineConfig(device="cpu", max_num_seqs=max(concurrency)))
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    texts = load_prompt_texts(["gsm8k", "humaneval", "mt-bench"], per_dataset=max(concurrency))
+    texts = load_prompt_texts(list(ONE_PER_DOMAIN), per_dataset=max(concurrency))
     chat = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     encoded = [tok.encode(c)[-256:] for c in chat]
     pad = tok.pad_id

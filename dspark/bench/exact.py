@@ -21,10 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark import report
-from dspark.bench.prompts import load_dataset
+from dspark.bench.prompts import ONE_PER_DOMAIN, load_dataset
 from dspark.sampling import SamplingParams
 
-DATASETS = ("gsm8k", "humaneval", "mt-bench")
 DRAFTERS = ("dspark", "dflash", "eagle3", "mtp", "ngram", "suffix", "auto")
 POLICIES = ("static:7", "dspark")
 
@@ -86,7 +85,7 @@ def run(settings: ExactSettings, out_dir: str) -> dict:
     path = resolve_model_path(settings.model)
     tok = TextTokenizer.from_dir(path)
     limit = read_config(path).max_position_embeddings - settings.max_tokens - 16  # room for the answer and a draft
-    texts = [p for d in DATASETS for p in load_dataset(d)[: settings.num_prompts]]
+    texts = [p for d in ONE_PER_DOMAIN for p in load_dataset(d)[: settings.num_prompts]]
     prompts = [job.ids for job in render(tok, texts, limit)]  # chat template, the prompt's end kept
     cfg = engine_config(path, max(settings.concurrency), max(map(len, prompts)) + settings.max_tokens + 16,
                         settings.device)
@@ -110,7 +109,7 @@ def markdown(payload: dict) -> str:
     s = payload["settings"]
     head = (f"# Greedy speculative output against plain decoding: model `{payload['model']}`, {payload['dtype']}\n\n"
             f"Exactly {s['max_tokens']} tokens (EOS ignored) for each of {payload['prompts']} prompts"
-            f" ({s['num_prompts']} from each of {', '.join(DATASETS)}); 'together' prompts started at once. "
+            f" ({s['num_prompts']} from each of {', '.join(ONE_PER_DOMAIN)}); 'together' prompts started at once. "
             "Alone every cell must hold every prompt; together, the `none` rows show how much plain decoding itself "
             "depends on what shares its steps here.\n\n")
     cells = [[f"`{r['config']}`", r["together"], f"{r['equal_same']} / {r['prompts']}",

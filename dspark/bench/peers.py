@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from dspark import report
 from dspark.bench.llamacpp import Measured
-from dspark.bench.prompts import Prompt, load_dataset
+from dspark.bench.prompts import ONE_PER_DOMAIN, Prompt, load_dataset
 from dspark.bench.summary import ratio
 from dspark.bench.workload import engine_config, render
 from dspark.models.loader import model_label
@@ -43,7 +43,7 @@ from dspark.models.loader import model_label
 @dataclass(frozen=True)
 class PeersSettings:
     model: str | None = None
-    datasets: tuple[str, ...] = ("gsm8k", "humaneval", "mt-bench")
+    datasets: tuple[str, ...] = ONE_PER_DOMAIN
     num_prompts: int = 4  # per dataset
     max_tokens: int = 128
     repeats: int = 1

@@ -12,6 +12,7 @@ from pathlib import Path
 
 PROMPTS_DIR = Path(__file__).resolve().parent.parent / "assets" / "prompts"
 DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
+ONE_PER_DOMAIN = ("gsm8k", "humaneval", "mt-bench")  # math, code, chat: the single-stream and step benchmarks' set
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,13 @@ from dataclasses import dataclass
 import torch
 
 from dspark import report
-from dspark.bench.prompts import load_prompt_texts
+from dspark.bench.prompts import ONE_PER_DOMAIN, load_prompt_texts
 from dspark.config import EngineConfig, default_device
 from dspark.engine.engine import LLMEngine
 from dspark.engine.factory import build_engine
 from dspark.models.loader import load_model, model_label, resolve_model_path
 from dspark.sampling import SamplingParams
 
-DATASETS = ("gsm8k", "humaneval", "mt-bench")
 PHASES = ("draft", "schedule", "verify", "accept")
 
 
@@ -127,7 +126,7 @@ def run(settings: StepsSettings, out_dir: str) -> dict:
     engines = {name: build_engine(path, drafter, policy, cfg, loaded=loaded, draft_vocab=vocab)
                for name, (drafter, policy, vocab) in specs.items()}
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    prompts = load_prompt_texts(list(DATASETS), settings.num_prompts)
+    prompts = load_prompt_texts(list(ONE_PER_DOMAIN), settings.num_prompts)
     c = settings.concurrency
     if c < 1:
         raise ValueError("--concurrency must be at least 1")
@@ -151,7 +150,7 @@ def markdown(payload: dict) -> str:
     s = payload["settings"]
     head = (f"# Step anatomy: model `{payload['model']}`\n\n"
             f"{s.get('concurrency', 1)} request(s) per step, greedy, exactly {s['max_tokens']} tokens for each of {s['num_prompts']} prompts from "
-            f"{', '.join(DATASETS)} (chat template), {s['repeats']} passes with the configurations stepping in turn; medians per step, device "
+            f"{', '.join(ONE_PER_DOMAIN)} (chat template), {s['repeats']} passes with the configurations stepping in turn; medians per step, device "
             "synchronised after every step. Ratios are against the plain step of `none` in this run "
             f"({report.cell(payload['plain_step_ms'], 2)} ms). A drafted step pays when its τ (tokens it emits) "
             "exceeds drafted / plain.\n\n")

@@ -157,8 +157,8 @@ def _inverse(permutation: Sequence[int]) -> list[int]:
     return inverse
 
 
-def grid_blocks(context: int, block_size: int) -> int:
-    """Blocks of a grid whose longest context is `context` tokens: whole blocks, a few more so that the grid's
+def grid_blocks(exact: int, block_size: int) -> int:
+    """Blocks of a grid whose longest context fills `exact` blocks: those, a few more so that the grid's
     shape recurs (`models/buckets.py`), and keys a multiple of KEY_MULTIPLE. The masked keys past a row's context
     must leave its sum over the keys unchanged, and a batched bfloat16 product sums its keys in chunks that
     depend on how many there are: on an AMX CPU (Intel Xeon, family 6, model 167) 48, 112 and 240 keys are
@@ -166,7 +166,7 @@ def grid_blocks(context: int, block_size: int) -> int:
     rounded differently from the plain step at 96 it stands for, and greedy output left plain decoding
     (`tests/test_row_invariance.py`). Multiples of 32 and of 64 summed the same on every context tried there."""
     per = KEY_MULTIPLE // math.gcd(KEY_MULTIPLE, block_size)  # blocks per KEY_MULTIPLE keys
-    return -(-bucket(-(-context // block_size)) // per) * per
+    return -(-bucket(exact) // per) * per
 
 
 def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables: Sequence[Sequence[int]],
@@ -176,7 +176,8 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     in a drafted step (the target's grid and the drafter's)."""
     qlens, clens = np.asarray(query_lens, dtype=np.int64), np.asarray(context_lens, dtype=np.int64)
     num_q = int(qlens.max())
-    width = grid_blocks(int(clens.max()), block_size)
+    exact = -(-int(clens.max()) // block_size)  # whole blocks up to the longest context
+    width = grid_blocks(exact, block_size)
     offs = np.arange(num_q)
     query_valid = offs[None, :] < qlens[:, None]  # [R, Q]
     query_index = np.where(query_valid, np.asarray(starts, dtype=np.int64)[:, None] + offs[None, :], 0)
@@ -192,7 +193,6 @@ def _group(query_lens: Sequence[int], context_lens: Sequence[int], block_tables:
     mask = mask | ~query_valid[:, :, None] & (keys == 0)  # [R, Q, K]; padded rows see key 0: no NaN
     dense = all(n == num_q for n in query_lens) and list(starts) == [i * num_q for i in range(len(starts))]
     first = block_tables[0][0] if len(block_tables) == 1 else None
-    exact = -(-int(clens.max()) // block_size)  # the blocks that hold context
     consecutive = first is not None and list(block_tables[0][:exact]) == list(range(first, first + exact))
     return AttentionGroup(
         dense=dense,

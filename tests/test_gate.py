@@ -613,3 +613,22 @@ def test_row_shapes_time_a_plain_step_one_verify_row_half_and_all():
     assert row_shapes(1, 7, 1024) == [[1], [2], [8]]
     assert row_shapes(4, 7, 1024) == [[1, 1, 1, 1], [2, 1, 1, 1], [8, 8, 1, 1], [8, 8, 8, 8]]
     assert row_shapes(64, 7, 256) == [[1] * 64, [2] + [1] * 63]  # half and all exceed the token budget
+
+
+def test_profile_key_follows_the_step_code(tmp_path, monkeypatch):
+    """A profile measured by other code is not reused: the key holds a digest of the code that runs a step,
+    which changes when any of its files does."""
+    from dspark.engine import profiler
+
+    a, sub = tmp_path / "a.py", tmp_path / "pkg"
+    sub.mkdir()
+    a.write_text("x = 1\n")
+    (sub / "b.py").write_text("y = 2\n")
+    before = profiler.digest([a, sub])
+    assert before == profiler.digest([sub, a])  # the order named does not matter
+    (sub / "b.py").write_text("y = 3\n")
+    assert profiler.digest([a, sub]) != before
+    assert len(profiler.step_code()) == 12
+    one = profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
+    monkeypatch.setattr(profiler, "step_code", lambda: "other")
+    assert profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1) != one

@@ -20,11 +20,12 @@ timing, but the drafter's are written through its own `extend`, so that a drafte
 per-request state beside its cache (EAGLE-3/MTP's last feature) has it.
 
 Profiles are cached in `$DSPARK_PROFILE_DIR` (default `~/.cache/dspark/profiles`), keyed by
-everything their grids or timings depend on (`profile_key`).
+everything their grids or timings depend on, the code that runs a step included (`profile_key`, `step_code`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -44,8 +45,27 @@ from dspark.sampling import SamplingParams, SamplingRows
 from dspark.spec.profile import StepProfile
 
 CACHE_ENV = "DSPARK_PROFILE_DIR"
-REVISION = "row-shapes-2"  # changed whenever what a profile measures changes (its grids, or the engine's step
-# costs, such as the cache layout): a profile cached by an older version is measured again
+STEP_CODE = ("models", "drafters", "kv_cache.py", "sampling.py", "engine/batch.py", "engine/runner.py",
+             "engine/speculative.py", "engine/profiler.py", "spec/profile.py")  # what a step's cost depends on
+
+
+def digest(paths: Sequence[Path]) -> str:
+    """A short hash of these files' bytes (every .py file under a folder), in a fixed order."""
+    files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*.py")))
+    h = hashlib.sha1()
+    for f in files:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+@functools.cache
+def step_code() -> str:
+    """The digest of the package's code that runs and times a step (`STEP_CODE`): part of every profile's key, so
+    a profile measured by other code is measured again. A hand-kept revision number was once left unchanged
+    when products began running 32 rows at a time, and serving kept a profile that underpriced large steps."""
+    root = Path(__file__).resolve().parent.parent
+    return digest([root / name for name in STEP_CODE])
 
 
 def cache_dir() -> Path:
@@ -61,7 +81,7 @@ def profile_key(model: str, drafter: str, device: str, dtype: str, gamma: int, b
     times the row shapes, which only an engine pricing by them (`GateConfig.rows`) measures, and which depend on
     how the engine lays out their attention grids, `EngineConfig.pad_rows`)."""
     raw = (f"{model}|{drafter}|{device}|{dtype}|{gamma}|{budget}|{max_seqs}|{torch.get_num_threads()}|"
-           f"{torch.__version__}|{REVISION}" + (f"|rows{pad_rows}" if rows else ""))
+           f"{torch.__version__}|{step_code()}" + (f"|rows{pad_rows}" if rows else ""))
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 

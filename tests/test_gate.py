@@ -5,6 +5,7 @@ follows new acceptance statistics at once and a drifting profile within `recheck
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -629,6 +630,8 @@ def test_profile_key_follows_the_step_code(tmp_path, monkeypatch):
     (sub / "b.py").write_text("y = 3\n")
     assert profiler.digest([a, sub]) != before
     assert len(profiler.step_code()) == 12
+    root = Path(profiler.__file__).resolve().parent.parent
+    assert all((root / name).exists() for name in profiler.STEP_CODE)  # a renamed file would drop out unnoticed
     one = profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
     monkeypatch.setattr(profiler, "step_code", lambda: "other")
     assert profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1) != one

@@ -249,7 +249,7 @@ def test_a_held_vocabulary_overrides_the_rows_choice(qwen3_dir):
 def test_the_greedy_walk_on_the_host_drafts_what_torch_operations_draft():
     """The markov walk of a greedy block: NumPy on CPU, torch operations elsewhere; the same positions,
     ties included (the first maximum), and each against the step-by-step definition."""
-    from dspark.drafters.heads import device_walk, host_walk
+    from dspark.drafters.tables import device_walk, host_walk
 
     gen = torch.Generator().manual_seed(3)
     base = torch.randn(3, 7, 50, generator=gen).round()  # rounded: ties between positions are common

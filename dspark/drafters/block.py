@@ -17,8 +17,9 @@ from dspark.device import upload
 from dspark.drafters.backbone import Backbone
 from dspark.drafters.base import ContextRow, DraftBlock, DrafterConfig, ProposeInput, depth_of, widened
 from dspark.drafters.exit import Exit
-from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated, greedy_walk
+from dspark.drafters.heads import ConfidenceHead, SequentialHead, calibrated
 from dspark.drafters.neural import NeuralDrafter
+from dspark.drafters.tables import greedy_walk
 from dspark.models.attention import AttentionMetadata
 from dspark.models.layers import SwiGLU
 from dspark.sampling import SamplingRows
@@ -146,7 +147,7 @@ class BlockDrafter(NeuralDrafter):
 
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         if self.head is not None:
-            self.head.restrict(ids)
+            self.head.restrict(ids, None if ids is None else self.vocab_rows(ids))
 
     def narrow_heads(self, narrow: bool) -> None:
         if self.head is not None:
@@ -159,12 +160,14 @@ class BlockDrafter(NeuralDrafter):
         the exit's (scored by its own confidence head, with the first position's STS temperatures)."""
         base = self.lm_head(hidden)  # [R, depth, V] float32 (or [R, depth, N] over a draft vocabulary)
         table = None if self.head is None else self.head.active_table
+        mix = None if table is None else self.head.active_mix  # an mlp head's correction, from tables too
+        start = None if mix is None else mix.start(hidden)
         # the table row of each anchor, when the table holds every one: the first bias is then a row too
         first = self.head.table_rows(anchor_ids) if table is not None and anchor_ids else None
         if first is not None and rows.all_greedy:
-            picks, probs = greedy_walk(base, table, first), [None]
+            picks, probs = greedy_walk(base, table, first, mix, start), [None]
         else:
-            picks, probs = self.walk(base, hidden, anchors, table, first, rows, generators)
+            picks, probs = self.walk(base, hidden, anchors, (table, mix, start), first, rows, generators)
         block = self.token_ids(picks)
         # the confidence of x_k reads [h_k; W1[x_{k-1}]]: known once the block is drawn, scored in one pass
         raw, conf = None, self.exit.conf if exits else self.conf
@@ -176,15 +179,19 @@ class BlockDrafter(NeuralDrafter):
         confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
         return DraftBlock(block, self.block_probs(probs), confidence, confidence_logits=raw)
 
-    def walk(self, base, hidden, anchors, table, index, rows: SamplingRows, generators):
+    def walk(self, base, hidden, anchors, tables, index, rows: SamplingRows, generators):
         """Draw the block left to right -> (positions [R, depth], each position's distribution or None).
+        tables: the markov table, the mlp head's `Mix` and the block's start for it (each None where absent);
         index: each anchor's table row (None: the head's product gives the first bias)."""
+        table, mix, start = tables
         prev, state = anchors, None
         picks, probs = [], []
         for k in range(hidden.shape[1]):
             logits = base[:, k]
-            if table is not None and index is not None:  # x_{k-1} is in the draft vocabulary: its row of the table
+            if table is not None and index is not None:  # x_{k-1} is in the draft vocabulary: its rows of the tables
                 logits = logits + table.index_select(0, index)
+                if mix is not None:
+                    logits = logits + mix.bias(start[:, k], index)
             elif self.head is not None:
                 bias, _, state = self.head.step(hidden[:, k], prev, state)
                 logits = logits + bias.float()

@@ -13,8 +13,9 @@ draft token x_k depends on the tokens sampled before it in the block:
 in training (`teacher` loops `step` over the block), so the two cannot drift apart.
 The confidence head reads [h_k; W1[x_{k-1}]], known before x_k is drawn (non-anticipating).
 Serving over a draft vocabulary, the markov bias after a draft token is a row of the table
-W1 W2^T over that vocabulary (`transitions`): one gather per position instead of a lookup
-and a product; so is the bias after the anchor when the anchor is one of its tokens.
+W1 W2^T over that vocabulary, and the mlp head's correction is read from tables too (`tables.py`):
+a gather per position instead of a lookup and a product; so is the bias after the anchor when the
+anchor is one of its tokens.
 """
 
 from __future__ import annotations
@@ -22,14 +23,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from dspark.device import upload
+from dspark.drafters.tables import TABLE_BYTES, Mix, transitions
 from dspark.models.fused import Fused, Product, refresh
-
-TABLE_BYTES = 64 << 20  # the largest transition table a markov head keeps (N x N float32)
 
 
 class SequentialHead(nn.Module):
@@ -52,25 +51,36 @@ class SequentialHead(nn.Module):
         self.rows: Product | None = None  # the product with W2's rows for a draft vocabulary (serving), or None
         self.fused: Fused | None = None  # W2's product over every token, serving (`out`)
         self.table: torch.Tensor | None = None  # markov over a draft vocabulary: [N, N] bias after each draft token
+        self.mix: Mix | None = None  # mlp over a draft vocabulary: its correction's tables (`tables.py`)
         self.row_of: dict[int, int] = {}  # token id -> its row of the table (the draft vocabulary's tokens)
         self.narrow = True  # whether this proposal biases the draft vocabulary alone (`NeuralDrafter.select_vocab`)
         self.project = None  # mlp: the drafter's LM head (hidden [..., d] -> float32 logits over what it scores)
 
-    def restrict(self, ids: torch.Tensor | None) -> None:
-        """Bias only the draft vocabulary's tokens (ids [N]); None: every token again."""
-        self.rows, self.table, self.row_of = None, None, {}
+    def restrict(self, ids: torch.Tensor | None, lm_rows: torch.Tensor | None = None) -> None:
+        """Bias only the draft vocabulary's tokens (ids [N]; lm_rows [N, d]: the LM head's rows for them, which
+        an mlp head's tables read); None: every token again."""
+        self.rows, self.table, self.mix, self.row_of = None, None, None, {}
         if ids is None:
             return
         rows = self.w2.weight.detach()[ids].contiguous()
         self.rows = Product(rows, None, [rows])
-        if self.kind == "markov" and len(ids) ** 2 * 4 <= TABLE_BYTES:
-            self.table = transitions(self.w1.weight.detach()[ids], rows)
-            self.row_of = {token: row for row, token in enumerate(ids.tolist())}
+        if self.kind not in ("markov", "mlp") or len(ids) ** 2 * 4 > TABLE_BYTES:
+            return
+        if self.kind == "mlp":
+            assert lm_rows is not None, "an mlp head's tables read the LM head's rows of the draft vocabulary"
+            self.mix = Mix.build(self.mix_in, self.mix_out, self.w1.weight.detach()[ids], lm_rows)
+        self.table = transitions(self.w1.weight.detach()[ids], rows)
+        self.row_of = {token: row for row, token in enumerate(ids.tolist())}
 
     @property
     def active_table(self) -> torch.Tensor | None:
         """The transition table when this proposal drafts over the draft vocabulary, else None."""
         return self.table if self.narrow else None
+
+    @property
+    def active_mix(self) -> Mix | None:
+        """An mlp head's correction tables when this proposal drafts over the draft vocabulary, else None."""
+        return self.mix if self.narrow else None
 
     def table_rows(self, tokens: Sequence[int]) -> torch.Tensor | None:
         """The table rows [R] of these token ids (host ints) when this proposal reads the table and every one
@@ -118,40 +128,6 @@ class SequentialHead(nn.Module):
             biases.append(b)
             embs.append(e)
         return torch.stack(biases, dim=-2), torch.stack(embs, dim=-2)
-
-
-def transitions(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """W1 [N, r], W2 [N, r] over a draft vocabulary -> [N, N] float32: row i is the markov bias after
-    draft token i, rounded to the weights' dtype as the product `out` rounds it."""
-    return (w1.float() @ w2.float().T).to(w1.dtype).float()
-
-
-def greedy_walk(base: torch.Tensor, table: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """Greedy drafting along the markov table: base logits [R, depth, N] float32, the table [N, N] and each
-    row's first table row [R] -> draft positions [R, depth], x_k = argmax(base_k + table[x_{k-1}]).
-    On CPU the walk runs in NumPy over the tensors' own memory (no copy): three small vector operations
-    per position cost about a quarter of what three torch calls' dispatch does, and the result is the
-    same (float32 sums, the first maximum on ties)."""
-    return (host_walk if base.device.type == "cpu" else device_walk)(base, table, first)
-
-
-def host_walk(base: torch.Tensor, table: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """`greedy_walk` in NumPy (CPU tensors)."""
-    b, t, index = base.numpy(), table.numpy(), first.numpy()
-    out = np.empty(base.shape[:2], dtype=np.int64)
-    for k in range(base.shape[1]):
-        index = (b[:, k] + t[index]).argmax(-1)
-        out[:, k] = index
-    return torch.from_numpy(out)
-
-
-def device_walk(base: torch.Tensor, table: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """`greedy_walk` in torch operations (any device; nothing is copied to the host)."""
-    picks, index = [], first
-    for k in range(base.shape[1]):
-        index = (base[:, k] + table.index_select(0, index)).argmax(-1)
-        picks.append(index)
-    return torch.stack(picks, 1) if picks else first.new_zeros(len(first), 0)
 
 
 class ConfidenceHead(nn.Module):

@@ -124,6 +124,10 @@ class NeuralDrafter(nn.Module, Drafter):
         if self.vocab_ids is not None:
             raise RuntimeError("a drafter restricted to a draft vocabulary serves only; train it with every token")
 
+    def vocab_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The LM head's rows [N, d] that score the draft vocabulary ids [N] (`lm_head`'s narrow product)."""
+        return self.own_head.weight.detach() if self.own_head is not None else self.target.lm_head.weight.detach()[ids]
+
     def restrict_heads(self, ids: torch.Tensor | None) -> None:
         """Subclasses with their own vocabulary-sized outputs restrict them here."""
 

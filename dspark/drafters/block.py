@@ -164,8 +164,8 @@ class BlockDrafter(NeuralDrafter):
         start = None if mix is None else mix.start(hidden)
         # the table row of each anchor, when the table holds every one: the first bias is then a row too
         first = self.head.table_rows(anchor_ids) if table is not None and anchor_ids else None
-        if first is not None and rows.all_greedy:
-            picks, probs = greedy_walk(base, table, first, mix, start), [None]
+        if table is not None and rows.all_greedy:
+            picks, probs = self.greedy_block(base, hidden, anchors, (table, mix, start), first), [None]
         else:
             picks, probs = self.walk(base, hidden, anchors, (table, mix, start), first, rows, generators)
         block = self.token_ids(picks)
@@ -178,6 +178,17 @@ class BlockDrafter(NeuralDrafter):
         cfg = self.config
         confidence = None if raw is None else calibrated(raw, rows.greedy, cfg.sts_temperatures, cfg.sts_greedy)
         return DraftBlock(block, self.block_probs(probs), confidence, confidence_logits=raw)
+
+    def greedy_block(self, base, hidden, anchors, tables, first: torch.Tensor | None) -> torch.Tensor:
+        """A greedy block along the tables -> positions [R, depth]. first: each anchor's table row; None when
+        an anchor is outside the draft vocabulary, and the head's own step then gives the first position's bias."""
+        table, mix, start = tables
+        if first is not None:
+            return greedy_walk(base, table, first, mix, start)
+        bias, _, _ = self.head.step(hidden[:, 0], anchors, None)
+        first = (base[:, 0] + bias.float()).argmax(-1)
+        rest = greedy_walk(base[:, 1:], table, first, mix, None if start is None else start[:, 1:])
+        return torch.cat([first[:, None], rest], 1)
 
     def walk(self, base, hidden, anchors, tables, index, rows: SamplingRows, generators):
         """Draw the block left to right -> (positions [R, depth], each position's distribution or None).

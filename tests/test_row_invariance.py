@@ -14,7 +14,7 @@ import torch
 
 from dspark.engine.batch import BatchRow
 from dspark.models.attention import AttentionMetadata, group_attention
-from tests.test_spec_engine import engine_for
+from tests.test_spec_engine import PROMPTS, engine_for, run
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -97,3 +97,22 @@ def test_a_verify_row_attends_exactly_as_its_plain_step_at_every_context():
         for i in range(n):
             plain = AttentionMetadata.build([1], [c + i + 1], [table], bs, "cpu").groups[0]
             assert torch.equal(group_attention(q[c + i : c + i + 1], k_cache, v_cache, plain, bs)[0], rows[i]), (c, i)
+
+
+def test_an_engine_runs_one_scratch_forward_once_built_and_keeps_none_of_it(qwen3_dir, monkeypatch):
+    """`ModelRunner.warm`: a request's forward is never the process's first (on an AMX CPU the first could round
+    otherwise than every later one); the scratch sequence's cache is freed before any request runs."""
+    from dspark.engine.runner import WARM_ID, ModelRunner
+
+    seen, forward = [], ModelRunner.target_forward
+
+    def counted(self, rows, taps=()):
+        seen.append([r.seq_id for r in rows])
+        return forward(self, rows, taps)
+
+    monkeypatch.setattr(ModelRunner, "target_forward", counted)
+    engine = engine_for(qwen3_dir, "dspark", "static:7")
+    assert seen == [[WARM_ID]]
+    assert engine.kv.pool.num_used_blocks == 0
+    run(engine, PROMPTS[:2])
+    assert all(WARM_ID not in ids for ids in seen[1:]) and len(seen) > 1

@@ -55,10 +55,12 @@ def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, draft
         kv = PagedKVCache.from_budget(model.config, cfg.kv_cache_bytes, cfg.block_size, model.device, model.dtype)
     chosen = make_policy(policy)
     fuse_projections(model)
-    runner: Runner = ModelRunner(model, kv, cfg.pad_rows)
+    base = ModelRunner(model, kv, cfg.pad_rows)
+    runner: Runner = base
     if drafter is not None and not isinstance(chosen, NoSpeculation):
         drafter.bind(model, kv.pool.num_blocks + cfg.max_num_seqs, cfg.block_size)
-        runner = SpeculativeRunner(ModelRunner(model, kv, cfg.pad_rows), drafter, chosen, profile, gate)
+        runner = SpeculativeRunner(base, drafter, chosen, profile, gate)
+    base.warm()  # after everything built: the first forward a request sees is never the process's first
     return LLMEngine(model, tokenizer, cfg, kv, runner)
 
 

@@ -27,6 +27,8 @@ from dspark.sampling import SamplingRows, draw
 from dspark.spec.policies import NoSpeculation, Policy
 from dspark.spec.profile import StepProfile
 
+WARM_ID = "\x00warm"  # the scratch sequence of `ModelRunner.warm`, freed before any request runs
+
 
 @dataclass
 class StepResult:
@@ -113,6 +115,19 @@ class ModelRunner:
         batch = Batch.build(rows, self.kv.pool, self.device, self.pad_rows)
         out = self.model(batch.input_ids, batch.meta, self.kv.layers, batch.logits_indices, taps)
         return batch, out
+
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """One forward of one token on a scratch sequence, before any request's. On an AMX CPU (Intel Xeon, family
+        6, model 167) the first bfloat16 forward of a process ran, in about half of fresh processes where a
+        float32 product had come first (a drafter's tables), some of its products without AMX, and so rounded
+        otherwise than every later forward: the first batch's greedy speculative output parted from plain
+        decoding on a near tie (`docs/architecture.md`, exactness). Every forward after one rounds the same."""
+        self.kv.pool.append(WARM_ID, 1)
+        try:
+            self.target_forward([BatchRow(WARM_ID, [0], 1, 1)])
+        finally:
+            self.kv.pool.free(WARM_ID)
 
     def lookahead(self) -> int | None:
         """Draft slots to reserve next step: None keeps the scheduler's default (0 here)."""

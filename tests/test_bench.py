@@ -209,6 +209,16 @@ def test_online_in_process(qwen3_dir, dspark_dir, tmp_path, workload, lockstep):
     assert is_png(tmp_path / f"frontier{suffix}.png") and is_png(tmp_path / f"budget{suffix}.png")
 
 
+def test_online_samples_with_nucleus_sampling_when_asked(qwen3_dir, tmp_path):
+    s = online.OnlineSettings(model=str(qwen3_dir), configs="none;ngram:static:7", concurrency=(1,), requests_per_client=1,
+                              datasets=("gsm8k",), num_prompts=1, max_tokens=8, ignore_eos=True, profile="off",
+                              device="cpu", temperature=1.0, top_p=0.5)
+    online.run(s, tmp_path)
+    data = stamped(tmp_path / "online.json")
+    assert data["settings"]["top_p"] == 0.5 and all(r["completion_tokens"] == 8 for r in data["rows"])
+    assert "temperature 1.0, top-p 0.5." in (tmp_path / "online.md").read_text()
+
+
 def test_online_trace_keeps_every_step_of_every_configuration(qwen3_dir, dspark_dir, tmp_path):
     import json
 

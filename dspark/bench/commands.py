@@ -90,6 +90,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--num-prompts", type=int, default=None, help="per dataset (default 64)")
     n.add_argument("--max-tokens", type=int, default=None, help="default 128")
     n.add_argument("--temperature", type=float, default=0.0)
+    n.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling for sampled requests (default 1: off)")
     n.add_argument("--ignore-eos", action="store_true")
     n.add_argument("--gamma", type=int, default=None, help="cap every drafter's block size")
     n.add_argument("--seed", type=int, default=0)
@@ -193,8 +194,10 @@ def run_online(args: argparse.Namespace) -> int:
     fields.update(_given(args, model="model", device="device", configs="configs", requests_per_client="requests_per_client",
                          duration_s="duration", repeats="repeats", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", url="url"))
-    fields.update(workload=args.workload, temperature=args.temperature, ignore_eos=args.ignore_eos, seed=args.seed,
-                  profile=args.profile, lockstep=args.lockstep, trace=args.trace)
+    if not 0.0 < args.top_p <= 1.0:
+        raise ValueError("--top-p must be in (0, 1]")
+    fields.update(workload=args.workload, temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos,
+                  seed=args.seed, profile=args.profile, lockstep=args.lockstep, trace=args.trace)
     for field, arg in (("concurrency", "concurrency"), ("datasets", "datasets"), ("slas", "sla")):
         if getattr(args, arg) is not None:
             fields[field] = tuple(getattr(args, arg))

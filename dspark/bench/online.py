@@ -75,6 +75,7 @@ class OnlineSettings:
     hostile_prompt_tokens: int = 128
     max_tokens: int = 128
     temperature: float = 0.0
+    top_p: float = 1.0  # nucleus sampling (sampled requests only)
     ignore_eos: bool = False
     gamma: int | None = None  # None: each drafter's own block size
     seed: int = 0
@@ -219,7 +220,7 @@ def run_local(s: OnlineSettings, jobs: list[Job], path: Path,
     from dspark.sampling import SamplingParams
 
     def params(i: int, max_tokens: int = s.max_tokens) -> SamplingParams:
-        return SamplingParams(temperature=s.temperature, max_tokens=max_tokens, seed=s.seed + i,
+        return SamplingParams(temperature=s.temperature, top_p=s.top_p, max_tokens=max_tokens, seed=s.seed + i,
                               ignore_eos=s.ignore_eos)
 
     specs: list[Spec] = parse_configs(s.configs)
@@ -271,7 +272,7 @@ def run_http(s: OnlineSettings, jobs: list[Job]) -> list[dict]:
         label = "none" if card.get("policy") in (None, "none") else label
         if any(r["config"] == label for r in rows):
             label = f"{label}@{url.split('//')[-1]}"
-        body = {"model": card.get("id"), "max_tokens": s.max_tokens, "temperature": s.temperature,
+        body = {"model": card.get("id"), "max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
                 "ignore_eos": s.ignore_eos, "seed": s.seed}
         http_loop.closed_loop(url, jobs[:2], 1, {**body, "max_tokens": 8}, per_client=1)  # warm-up
         for c in tqdm(s.concurrency, desc=label, disable=None):
@@ -363,7 +364,8 @@ def markdown(rows, ratios, summary, s: OnlineSettings, path: Path, skipped: list
                  "own clock that runs only while it works (so all see the same machine at every moment)")
     md = [f"# Online closed-loop serving: model `{model_label(path)}`, `{s.workload}` workload (Figs. 7-8 analogs)\n\n",
           f"{'Servers ' + s.url if s.url else 'In-process engine'}; C closed-loop clients, {load}; "
-          f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}. "
+          f"max {s.max_tokens} new tokens{' (EOS ignored)' if s.ignore_eos else ''}, temperature {s.temperature}"
+          f"{f', top-p {s.top_p}' if s.top_p < 1.0 else ''}. "
           "Budget = draft tokens verified per request per decode round (the target sees 1 + budget); "
           "per-user tok/s = a request's tokens after the first over the time since its first token. "
           "Peak RSS is the whole process (every configuration's engine is resident, as the runs interleave, all on one copy of the target's weights: "

@@ -113,3 +113,18 @@ def test_greedy_output_with_a_tabled_mlp_head_is_plain_decodings(qwen3_dir, poli
     expected = [o.token_ids for o in run(plain, PROMPTS[::3], GREEDY)]
     engine = mlp_engine(qwen3_dir, policy)
     assert [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)] == expected
+
+
+def test_the_bias_over_every_token_on_cpu_is_w2s_and_follows_w2(qwen3_dir):
+    """Over every token, serving on CPU reads W2 from a float32 copy, made again whenever W2 changes."""
+    drafter = mlp_engine(qwen3_dir, restrict=False).drafter
+    head = drafter.head
+    e = head.w1(torch.tensor([3, 7, 11]))
+    with torch.inference_mode():
+        served = head.out(e)
+    assert served.dtype == torch.float32 and served.shape == (3, drafter.config.vocab_size)
+    assert torch.allclose(served, head.w2(e).float(), atol=1e-5)
+    with torch.no_grad():
+        head.w2.weight.mul_(-1.0)  # in place: the copy must be made again
+    with torch.inference_mode():
+        assert torch.allclose(head.out(e), -served, atol=1e-5)

@@ -145,9 +145,9 @@ class BlockDrafter(NeuralDrafter):
         x = self.backbone.run_paged(x, meta, self.cache.layers, 1, self.config.exit_layer, self.exit.layer)
         return self.exit.norm(x).view(*ids.shape, -1)
 
-    def restrict_heads(self, ids: torch.Tensor | None) -> None:
+    def restrict_heads(self, ids: torch.Tensor | None, rows: torch.Tensor | None) -> None:
         if self.head is not None:
-            self.head.restrict(ids, None if ids is None else self.vocab_rows(ids))
+            self.head.restrict(ids, rows)
 
     def narrow_heads(self, narrow: bool) -> None:
         if self.head is not None:

@@ -68,10 +68,11 @@ class SequentialHead(nn.Module):
         self.rows = Product(rows, None, [rows])
         if self.kind not in ("markov", "mlp") or len(ids) ** 2 * 4 > TABLE_BYTES:
             return
+        w1 = self.w1.weight.detach()[ids]
         if self.kind == "mlp":
             assert lm_rows is not None, "an mlp head's tables read the LM head's rows of the draft vocabulary"
-            self.mix = Mix.build(self.mix_in, self.mix_out, self.w1.weight.detach()[ids], lm_rows)
-        self.table = transitions(self.w1.weight.detach()[ids], rows)
+            self.mix = Mix.build(self.mix_in, self.mix_out, w1, lm_rows)
+        self.table = transitions(w1, rows)
         self.row_of = {token: row for row, token in enumerate(ids.tolist())}
 
     @property

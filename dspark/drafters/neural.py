@@ -84,15 +84,15 @@ class NeuralDrafter(nn.Module, Drafter):
         ids = ids if ids is not None or not fixed else fixed
         if ids is None:
             self.vocab_ids, self.vocab_head = None, None
-            self.restrict_heads(None)
+            self.restrict_heads(None, None)
             return
         vocab = self.config.vocab_size
         if not ids or len(set(ids)) != len(ids) or not all(0 <= i < vocab for i in ids):
             raise ValueError(f"a draft vocabulary is distinct token ids in [0, {vocab})")
         self.vocab_ids = upload(list(ids), self.target.device, torch.long)
-        rows = self.target.lm_head.weight.detach()[self.vocab_ids].contiguous()
+        rows = self.vocab_rows(self.vocab_ids).contiguous()
         self.vocab_head = Product(rows, None, [rows])
-        self.restrict_heads(self.vocab_ids)
+        self.restrict_heads(self.vocab_ids, rows)
 
     @property
     def fixed_vocab(self) -> bool:
@@ -128,8 +128,9 @@ class NeuralDrafter(nn.Module, Drafter):
         """The LM head's rows [N, d] that score the draft vocabulary ids [N] (`lm_head`'s narrow product)."""
         return self.own_head.weight.detach() if self.own_head is not None else self.target.lm_head.weight.detach()[ids]
 
-    def restrict_heads(self, ids: torch.Tensor | None) -> None:
-        """Subclasses with their own vocabulary-sized outputs restrict them here."""
+    def restrict_heads(self, ids: torch.Tensor | None, rows: torch.Tensor | None) -> None:
+        """Subclasses with their own vocabulary-sized outputs restrict them here (rows [N, d]: the LM head's rows
+        that score the draft vocabulary ids [N]; None with ids None)."""
 
     def narrow_heads(self, narrow: bool) -> None:
         """Subclasses with their own vocabulary-sized outputs follow `select_vocab` here."""

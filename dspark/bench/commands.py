@@ -186,6 +186,7 @@ def run_offline(args: argparse.Namespace) -> int:
 
 def run_online(args: argparse.Namespace) -> int:
     from dspark.bench import online
+    from dspark.sampling import SamplingParams
 
     fields: dict = {}
     if args.quick:
@@ -194,8 +195,7 @@ def run_online(args: argparse.Namespace) -> int:
     fields.update(_given(args, model="model", device="device", configs="configs", requests_per_client="requests_per_client",
                          duration_s="duration", repeats="repeats", prompts_file="prompts", num_prompts="num_prompts",
                          max_tokens="max_tokens", gamma="gamma", url="url"))
-    if not 0.0 < args.top_p <= 1.0:
-        raise ValueError("--top-p must be in (0, 1]")
+    SamplingParams(temperature=args.temperature, top_p=args.top_p)  # bad sampling settings fail before any model loads
     fields.update(workload=args.workload, temperature=args.temperature, top_p=args.top_p, ignore_eos=args.ignore_eos,
                   seed=args.seed, profile=args.profile, lockstep=args.lockstep, trace=args.trace)
     for field, arg in (("concurrency", "concurrency"), ("datasets", "datasets"), ("slas", "sla")):

@@ -22,7 +22,7 @@ from torch import nn
 
 from dspark.config import ModelConfig
 from dspark.models.attention import AttentionMetadata, causal_attention, paged_attention
-from dspark.models.fused import Fused, outputs, refresh
+from dspark.models.fused import Fused, outputs, refresh, stamp
 from dspark.models.layers import RMSNorm, Rotary, SwiGLU, apply_rope, normalized
 
 KVLayer = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each [Hkv, num_slots, D]
@@ -50,7 +50,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.fused: Fused | None = None  # q, k and v as one product (`fuse_projections`)
         self.fused_out: Fused | None = None  # o_proj's product
-        self.stacked_qk: tuple[tuple, torch.Tensor] | None = None  # (versions, weight) of `qk_weight`
+        self.stacked_qk: tuple[tuple, torch.Tensor] | None = None  # (`stamp` of q/k-norm weights, weight) of `qk_weight`
 
     def fuse_projections(self) -> None:
         self.fused = refresh(self.fused, self.q_proj, self.k_proj, self.v_proj)
@@ -88,7 +88,7 @@ class Attention(nn.Module):
         """[H + Hkv, D]: q_norm's weight for each q head, then k_norm's for each k head; stacked again only
         after either changed (their version counters and storage), not in every layer of every step."""
         q, k = self.q_norm.weight, self.k_norm.weight
-        key = (q._version, k._version, q.data_ptr(), k.data_ptr())
+        key = stamp(q, k)
         if self.stacked_qk is None or self.stacked_qk[0] != key:
             self.stacked_qk = (key, torch.cat([q.expand(self.heads, -1), k.expand(self.kv_heads, -1)]).detach())
         return self.stacked_qk[1]

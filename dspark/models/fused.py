@@ -160,6 +160,12 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.detach() if t is not None else None
 
 
+def stamp(*tensors: torch.Tensor) -> tuple:
+    """What a copy derived from these tensors must match to still hold: each one's storage, version counter
+    (bumped by in-place writes: `load_state_dict`, an optimizer step) and dtype."""
+    return tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+
+
 def refresh(fused: Fused | None, *layers: nn.Linear) -> Fused:
     """fused while its layers still view its weights, else the layers fused anew (whatever the
     autograd mode: fusing again keeps the blocked copies)."""

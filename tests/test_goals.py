@@ -108,3 +108,18 @@ def test_every_concurrency_is_judged_at_its_worst(tmp_path):
     assert static["status"] == "missed" and static["value"] == 99.0 / 110.0 and "lowest at C = 16" in static["detail"]
     plain = got["every C: dspark:dspark aggregate / none"]
     assert plain["status"] == "missed" and plain["value"] == 0.99 and "lowest at C = 16" in plain["detail"]
+
+
+def test_step_costs_are_ceilings_read_at_one_request(tmp_path):
+    """The step anatomy's bars are costs: at most 0.15 plain steps for a γ = 7 proposal, 1.3 for a drafted step."""
+    runs = {"dspark:static:7": {"proposal_over_plain": 0.16, "drafted_over_plain": 1.25},
+            "dspark:dspark": {"proposal_over_plain": 0.14, "drafted_over_plain": 1.2}}
+    write(tmp_path, "steps/steps", {"settings": {"concurrency": 1}, "results": runs})
+    got = by_goal(goals.run(tmp_path))
+    proposal = got["one request: a γ = 7 DSpark proposal / a plain step (dspark:static:7)"]
+    drafted = got["one request: a γ = 7 DSpark drafted step / a plain step (dspark:static:7)"]
+    assert (proposal["status"], proposal["value"], proposal["detail"]) == ("missed", 0.16, "dspark:dspark: 0.140")
+    assert (drafted["status"], drafted["value"]) == ("met", 1.25)
+    assert "| ≤ 0.15 | 0.160 | missed |" in (tmp_path / "goals" / "goals.md").read_text()
+    write(tmp_path, "steps/steps", {"settings": {"concurrency": 16}, "results": runs})
+    assert {c["status"] for c in goals.run(tmp_path)["checks"] if c["source"] == "steps/steps.json"} == {"not measured"}

@@ -1,6 +1,6 @@
 """`dspark bench goals`: the project's benchmark goals checked against committed results.
 
-Reads the results tree (one folder per benchmark: offline/offline.json, peers/peers.json,
+Reads the results tree (one folder per benchmark: steps/steps.json, offline/offline.json, peers/peers.json,
 online/online.json, online/online-hostile.json, online/online-agent.json, and the sampled single
 stream in online/c1-six-t1/online.json; each written by its own `dspark bench` command in one
 run, so every ratio compares configurations measured side by side) and writes goals/goals.json
@@ -26,21 +26,42 @@ SPEC = "dspark:dspark"
 @dataclass(frozen=True)
 class Check:
     goal: str
-    bar: float  # the measured value must be >= bar
+    bar: float  # the measured value must be >= bar (at_most: <= bar)
     value: float | None  # None: not measured (file or configuration missing)
     source: str
     detail: str = ""
+    at_most: bool = False  # a cost: the bar is a ceiling
 
     @property
     def status(self) -> str:
         if self.value is None:
             return "not measured"
-        return "met" if self.value >= self.bar else "missed"
+        return "met" if (self.value <= self.bar if self.at_most else self.value >= self.bar) else "missed"
+
+    @property
+    def bar_text(self) -> str:
+        return f"{'≤' if self.at_most else '≥'} {self.bar}"
 
 
 def _load(results: Path, name: str) -> dict | None:
     path = results / f"{name}.json"
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def steps_checks(res: dict | None, config: str = "dspark:static:7") -> list[Check]:
+    """The step anatomy at one request (`dspark bench steps`): what a γ = 7 DSpark proposal and a whole drafted
+    step cost in plain steps of the same run; the default policy's drafted step beside it."""
+    res = res or {}
+    runs = res.get("results", {})
+    one = res.get("settings", {}).get("concurrency", 1) == 1
+    row, spec = (runs.get(config, {}), runs.get(SPEC, {})) if one else ({}, {})
+    source = "steps/steps.json"
+    return [Check(f"one request: a γ = 7 DSpark proposal / a plain step ({config})", 0.15,
+                  row.get("proposal_over_plain"), source, f"{SPEC}: {cell(spec.get('proposal_over_plain'))}",
+                  at_most=True),
+            Check(f"one request: a γ = 7 DSpark drafted step / a plain step ({config})", 1.3,
+                  row.get("drafted_over_plain"), source, f"{SPEC}: {cell(spec.get('drafted_over_plain'))}",
+                  at_most=True)]
 
 
 def offline_checks(res: dict | None) -> list[Check]:
@@ -159,6 +180,7 @@ def agent_checks(res: dict | None, source: str = "online/online-agent.json") -> 
 
 
 SECTIONS: list[tuple[str, Callable[[dict | None], list[Check]]]] = [  # (results file, its checks)
+    ("steps/steps", steps_checks),
     ("offline/offline", offline_checks),
     ("peers/peers", peers_checks),
     ("online/c1-six-t1/online", sampled_checks),
@@ -196,7 +218,7 @@ def run(results: str | Path) -> dict:
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
           machines_note(machines),
           report.table(["goal", "bar", "measured", "status", "source", "detail"],
-                       [[c.goal, f"≥ {c.bar}", cell(c.value), c.status, c.source, c.detail] for c in checks])]
+                       [[c.goal, c.bar_text, cell(c.value), c.status, c.source, c.detail] for c in checks])]
     report.write(results / "goals", "goals", payload, "".join(md))
     print("".join(md))
     return payload

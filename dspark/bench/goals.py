@@ -214,7 +214,8 @@ def run(results: str | Path) -> dict:
                "checks": [{**asdict(c), "status": c.status} for c in checks]}
     md = ["# Benchmark goals against the committed results\n\n",
           "Read from the JSON files next to this one by `dspark bench goals`; each ratio comes from one run of "
-          "one benchmark command, configurations side by side. Source dates: "
+          "one benchmark command, configurations side by side; this command measures nothing, so the machine in the "
+          "header only read the files, and the machines that ran them are named below. Source dates: "
           + ", ".join(f"`{n}.json` {d or 'missing'}" for n, d in sources.items()) + ".\n\n",
           machines_note(machines),
           report.table(["goal", "bar", "measured", "status", "source", "detail"],

@@ -50,18 +50,13 @@ def _load(results: Path, name: str) -> dict | None:
 
 def steps_checks(res: dict | None, config: str = "dspark:static:7") -> list[Check]:
     """The step anatomy at one request (`dspark bench steps`): what a γ = 7 DSpark proposal and a whole drafted
-    step cost in plain steps of the same run; the default policy's drafted step beside it."""
+    step cost in plain steps of the same run, each a ceiling; the default policy's value beside it."""
     res = res or {}
-    runs = res.get("results", {})
-    one = res.get("settings", {}).get("concurrency", 1) == 1
-    row, spec = (runs.get(config, {}), runs.get(SPEC, {})) if one else ({}, {})
-    source = "steps/steps.json"
-    return [Check(f"one request: a γ = 7 DSpark proposal / a plain step ({config})", 0.15,
-                  row.get("proposal_over_plain"), source, f"{SPEC}: {cell(spec.get('proposal_over_plain'))}",
-                  at_most=True),
-            Check(f"one request: a γ = 7 DSpark drafted step / a plain step ({config})", 1.3,
-                  row.get("drafted_over_plain"), source, f"{SPEC}: {cell(spec.get('drafted_over_plain'))}",
-                  at_most=True)]
+    runs = res.get("results", {}) if res.get("settings", {}).get("concurrency", 1) == 1 else {}
+    row, spec = runs.get(config, {}), runs.get(SPEC, {})
+    return [Check(f"one request: a γ = 7 DSpark {what} / a plain step ({config})", bar, row.get(key),
+                  "steps/steps.json", f"{SPEC}: {cell(spec.get(key))}", at_most=True)
+            for what, key, bar in (("proposal", "proposal_over_plain", 0.15), ("drafted step", "drafted_over_plain", 1.3))]
 
 
 def offline_checks(res: dict | None) -> list[Check]:

@@ -635,3 +635,30 @@ def test_profile_key_follows_the_step_code(tmp_path, monkeypatch):
     one = profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1)
     monkeypatch.setattr(profiler, "step_code", lambda: "other")
     assert profiler.profile_key("m", "dspark:7", "cpu", "float32", 7, 2048, 1) != one
+
+
+def test_a_traced_step_carries_the_gate_state_and_an_untraced_one_does_not(qwen3_dir):
+    from dspark.config import EngineConfig
+    from dspark.engine.factory import build_engine
+    from dspark.sampling import SamplingParams
+
+    engine = build_engine(qwen3_dir, "ngram", "dspark", EngineConfig(device="cpu"), profile="off")
+    runner = engine.runner
+    runner.set_profile(profile(0.05))  # a proposal costs five plain steps: the gate closes and probes
+
+    def steps(n: int) -> list:
+        engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        out = []
+        while engine.has_unfinished():
+            out.append(engine.step())
+        return [o for o in out if o.ran]
+
+    assert all(o.gate is None for o in steps(6))
+    runner.snapshots = True
+    traced = steps(40)
+    gates = [o.gate for o in traced if o.gate is not None]
+    assert len(gates) == len(traced)
+    assert {"open", "depth", "probe", "next_probe", "probe_extra", "acceptance", "scales"} <= set(gates[0])
+    closed = [g for g in gates if not g["open"]]
+    assert closed and all(g["depth"] == 0 and isinstance(g["next_probe"], int) for g in closed)
+    assert len(gates[0]["acceptance"]) == runner.gamma and set(gates[0]["scales"]) == {"verify", "plain", "spec"}

@@ -42,3 +42,24 @@ def test_summary_groups_by_config_load_and_kind_in_order():
     assert abs(rows[1]["tok_s"] - 32 / 0.042) < 1e-9
     md = steptrace.markdown(rows)
     assert md.count("\n") == 2 + len(rows) and "| dspark:dspark | 16 | drafted | 16-31 | 2 | 26.00 | 44.0 | 591 |" in md
+
+
+def gated(config, is_open, probe=False, c=1):
+    r = rec(config, 1, int(is_open or probe), 0, 1, 1, 0.02, c=c)
+    r["gate"] = {"open": is_open, "probe": probe}
+    return r
+
+
+def test_gate_summary_counts_open_steps_probes_closes_and_reopens_per_config_and_load():
+    recs = [rec("none", 1, 0, 0, 1, 1, 0.02, c=1),  # no gate: not in the table
+            gated("dspark:dspark", True), gated("dspark:dspark", True), gated("dspark:dspark", False),
+            gated("dspark:dspark", False, probe=True), gated("dspark:dspark", True), gated("dspark:dspark", False),
+            gated("dspark:dspark", True, c=4), gated("dspark:dspark", True, c=4)]
+    one, four = steptrace.gate_summary(recs)
+    assert (one["config"], one["concurrency"], one["steps"]) == ("dspark:dspark", 1, 6)
+    assert (one["probes"], one["closes"], one["reopens"], one["first_close"]) == (1, 2, 1, 2)
+    assert one["open_share"] == 0.5
+    assert (four["steps"], four["closes"], four["first_close"], four["open_share"]) == (2, 0, None, 1.0)
+    md = steptrace.gate_markdown([one, four])
+    assert "| dspark:dspark | 1 | 6 | 50% | 1 | 2 | 1 | 2 |" in md and "| dspark:dspark | 4 | 2 | 100% | 0 | 0 | 0 | – |" in md
+    assert steptrace.gate_summary([rec("none", 1, 0, 0, 1, 1, 0.02)]) == []

@@ -103,6 +103,8 @@ class ClosedLoop:
         self.per_client, self.duration_s, self.on_finish = per_client, duration_s, on_finish
         self.clock = VirtualClock()
         self.result = LoopResult(trace=[] if trace else None)
+        if trace and hasattr(engine.runner, "snapshots"):
+            engine.runner.snapshots = True  # each step's record carries the gate's state
         self.live: dict[str, tuple[int, Job]] = {}
         self.sent = [0] * concurrency
         self.counter = 0

@@ -7,7 +7,10 @@ configuration is kept (`record`: one JSON line each, in `online-steps.jsonl` bes
 gains a table that groups them by kind and by requests per step (`summarize`): tokens emitted per step,
 milliseconds per step and tokens per second, so a drafted step at sixteen requests can be set against a
 plain one at sixteen requests of the same run. A step's seconds are its own `LLMEngine.step()`, timed
-around the call.
+around the call. Under a policy with the never-slower gate each record also carries the gate's state after the
+step (`Gate.snapshot`: open or closed, a probe or not, the steps to the next probe, everyone's acceptance
+estimates, the profile's online scales), and a second table counts, per configuration and load, the steps the
+gate held open, its probes, and how often it closed and opened again (`gate_summary`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def record(step, seconds: float) -> dict:
     return {"requests": len(step.plan.scheduled), "drafted": len(step.verified) if step.drafter_ran else 0,
             "verified": sum(step.verified.values()), "accepted": sum(step.accepted.values()),
             "forward": step.num_forward_tokens, "emitted": sum(len(t) for t in step.new_tokens.values()),
-            "seconds": round(seconds, 6), "times": {k: round(v, 6) for k, v in step.times.items()}}
+            "seconds": round(seconds, 6), "times": {k: round(v, 6) for k, v in step.times.items()},
+            **({"gate": dict(step.gate)} if step.gate is not None else {})}
 
 
 def summarize(records: Iterable[dict]) -> list[dict]:
@@ -74,4 +78,31 @@ def markdown(rows: list[dict]) -> str:
              f"{r['tokens_per_step']:.2f} | {r['ms_per_step']:.1f} | "
              f"{'–' if r['tok_s'] is None else format(r['tok_s'], '.0f')} | {r['forward_ms']:.1f} | "
              f"{r['draft_ms']:.1f} | {r['catch_up_ms']:.1f} |" for r in rows]
+    return head + "\n".join(lines) + "\n"
+
+
+def gate_summary(records: Iterable[dict]) -> list[dict]:
+    """Rows per (config, concurrency) whose records carry the gate's state, in record order: steps, the share
+    judged open, probes, closes (an open verdict followed by a closed one), reopens (the reverse), and the step
+    of the first close (None: never)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in records:
+        if "gate" in r:
+            groups[(r["config"], r["concurrency"])].append(r["gate"])
+    rows = []
+    for (config, c), gates in groups.items():
+        flips = [(a["open"], b["open"]) for a, b in zip(gates, gates[1:], strict=False)]
+        first = next((i + 1 for i, (a, b) in enumerate(flips) if a and not b), None)
+        rows.append({"config": config, "concurrency": c, "steps": len(gates),
+                     "open_share": sum(g["open"] for g in gates) / len(gates), "probes": sum(g["probe"] for g in gates),
+                     "closes": flips.count((True, False)), "reopens": flips.count((False, True)), "first_close": first})
+    return rows
+
+
+def gate_markdown(rows: list[dict]) -> str:
+    """The `gate_summary` rows as a markdown table."""
+    head = ("| config | C | steps | open | probes | closes | reopens | first close (step) |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['config']} | {r['concurrency']} | {r['steps']} | {r['open_share']:.0%} | {r['probes']} | "
+             f"{r['closes']} | {r['reopens']} | {'–' if r['first_close'] is None else r['first_close']} |" for r in rows]
     return head + "\n".join(lines) + "\n"

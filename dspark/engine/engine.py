@@ -118,7 +118,8 @@ class LLMEngine:
             plan, tuple(touched), tuple(r for r in touched if r.is_finished),
             frozen({rid: tuple(t) for rid, t in result.tokens.items()}), result.num_forward_tokens,
             result.drafter_ran, frozen(dict(result.drafted)), frozen(dict(result.verified)),
-            frozen(dict(result.accepted)), frozen(dict(result.times)))
+            frozen(dict(result.accepted)), frozen(dict(result.times)),
+            None if result.gate is None else frozen(result.gate))
 
     def update(self, scheduled: Sequence[ScheduledRequest], result: StepResult) -> list[Request]:
         touched = []

@@ -155,6 +155,18 @@ class Gate:
         self.sampled = False  # whether the batch judged samples (its proposal may draft over more tokens)
         self.blended: dict[int, tuple[tuple, list[float]]] = {}  # id(own record) -> (versions, z; its estimates)
 
+    def snapshot(self, probed: bool) -> dict:
+        """What the gate holds after a step, for a step trace (`dspark bench online --trace`): its verdict
+        (`open`, the depth, 0 when closed), whether this step was a probe, the steps to the next probe, what probes
+        were measured to cost beyond a plain step, everyone's estimated acceptance per position (no bonus or
+        caution) and the profile's online scales. Read after the step's observations are folded in."""
+        assert self.profile is not None
+        return {"open": self.open, "depth": (self.depth or self.stats.gamma) if self.open else 0, "probe": probed,
+                "next_probe": None if self.open else max(0, self.interval - self.wait),
+                "probe_extra": None if self.probe_extra is None else round(self.probe_extra, 4),
+                "acceptance": [round(c, 4) for c in self.stats.conditional()],
+                "scales": {k: round(getattr(self.profile, f"{k}_scale"), 4) for k in ("verify", "plain", "spec")}}
+
     def observe_share(self, drafted: int, requests: int) -> None:
         self.draft_share = 0.9 * self.draft_share + 0.1 * drafted / requests
 

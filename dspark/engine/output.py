@@ -28,6 +28,7 @@ class StepOutput:
     verified: Mapping[str, int] = field(default_factory=dict)  # l_r
     accepted: Mapping[str, int] = field(default_factory=dict)  # accepted draft tokens
     times: Mapping[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept seconds
+    gate: Mapping | None = None  # the never-slower gate's state after the step (`Gate.snapshot`; None: no gate)
 
     @property
     def ran(self) -> bool:

@@ -45,6 +45,7 @@ class StepResult:
     accepted: dict[str, int] = field(default_factory=dict)  # accepted draft tokens per request
     sources: dict[str, str] = field(default_factory=dict)  # the drafter that proposed each request's block
     times: dict[str, float] = field(default_factory=dict)  # draft / schedule / verify / accept seconds
+    gate: dict | None = None  # the never-slower gate's state after the step (`Gate.snapshot`; None: no gate)
 
 
 def sampling_rows(requests: Sequence[Request], repeats: Sequence[int], device) -> SamplingRows:

@@ -48,6 +48,7 @@ class SpeculativeRunner:
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
+        self.snapshots = False  # each step's result carries the gate's state (`Gate.snapshot`; a step trace asks)
         drafter.set_profile(self.profile)
 
     def set_profile(self, profile: StepProfile) -> None:
@@ -127,6 +128,8 @@ class SpeculativeRunner:
         self._observe(drafted, batch.num_tokens, result, drafting, depth, sampled, len(rows))
         if drafting and self.gate is not None and self.gate.probing and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
+        if self.snapshots and self.gate is not None and not self.gate.idle:
+            result.gate = self.gate.snapshot(drafting and self.gate.probing)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------

@@ -638,6 +638,7 @@ def test_profile_key_follows_the_step_code(tmp_path, monkeypatch):
 
 
 def test_a_traced_step_carries_the_gate_state_and_an_untraced_one_does_not(qwen3_dir):
+    """...and `LLMEngine.gate_state`, which a server's metrics read after every step, agrees with it."""
     from dspark.config import EngineConfig
     from dspark.engine.factory import build_engine
     from dspark.sampling import SamplingParams
@@ -646,11 +647,15 @@ def test_a_traced_step_carries_the_gate_state_and_an_untraced_one_does_not(qwen3
     runner = engine.runner
     runner.set_profile(profile(0.05))  # a proposal costs five plain steps: the gate closes and probes
 
+    states = []  # engine.gate_state() after each step that ran: what a server's metrics read
+
     def steps(n: int) -> list:
         engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         out = []
         while engine.has_unfinished():
             out.append(engine.step())
+            if out[-1].ran:
+                states.append(engine.gate_state())
         return [o for o in out if o.ran]
 
     assert all(o.gate is None for o in steps(6))
@@ -662,3 +667,5 @@ def test_a_traced_step_carries_the_gate_state_and_an_untraced_one_does_not(qwen3
     closed = [g for g in gates if not g["open"]]
     assert closed and all(g["depth"] == 0 and isinstance(g["next_probe"], int) for g in closed)
     assert len(gates[0]["acceptance"]) == runner.gamma and set(gates[0]["scales"]) == {"verify", "plain", "spec"}
+    assert states[-len(gates):] == [(g["open"], g["probe"]) for g in gates]
+    assert any(g["probe"] for g in gates) and build_engine(qwen3_dir, None, "none", EngineConfig(device="cpu")).gate_state() is None

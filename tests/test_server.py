@@ -172,6 +172,7 @@ def test_models_health_metrics(server, client):
     assert metric(server, "dspark_mean_accepted_length") == 1.0  # plain decoding: tau = 1
     assert metric(server, "dspark_verification_budget_tokens_count") > 0
     assert metric(server, "dspark_kv_blocks_used") + metric(server, "dspark_kv_blocks_free") == 256
+    assert 'dspark_engine_steps_total{drafter="skipped"}' in text and "dspark_gate_open" not in text  # plain: no gate
 
 
 def test_speculative_counters_reach_metrics():
@@ -459,3 +460,22 @@ def refused(url: str) -> bool:
         return httpx.get(url, timeout=5).status_code == 503
     except httpx.TransportError:
         return True
+
+
+def test_steps_and_the_gate_reach_metrics():
+    """Steps count by whether the drafter ran; the gate's gauge and probe counter appear only once a gate judged."""
+    from dspark.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+    value = m.registry.get_sample_value
+    m.observe_step(False, None)
+    assert value("dspark_engine_steps_total", {"drafter": "skipped"}) == 1
+    assert value("dspark_gate_open") is None and b"dspark_gate" not in m.render()  # no gate: nothing to show
+    m.observe_step(True, (True, False))
+    m.observe_step(False, (False, False))
+    m.observe_step(True, (False, True))  # a closed gate's probe
+    assert value("dspark_engine_steps_total", {"drafter": "ran"}) == 2
+    assert value("dspark_engine_steps_total", {"drafter": "skipped"}) == 2
+    assert value("dspark_gate_open") == 0 and value("dspark_gate_probes_total") == 1
+    m.observe_step(True, (True, False))
+    assert value("dspark_gate_open") == 1 and value("dspark_gate_probes_total") == 1

@@ -93,6 +93,12 @@ class LLMEngine:
         if req is not None:
             self.finish(req, "abort", self.clock())
 
+    def gate_state(self) -> tuple[bool, bool] | None:
+        """The never-slower gate after the last step: (open, whether that step was its probe); None without a
+        gate judging (plain decoding, a policy that drafts unconditionally, or no step profile)."""
+        gate = getattr(self.runner, "gate", None)
+        return None if gate is None or gate.idle else (gate.open, gate.probing)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

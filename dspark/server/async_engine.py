@@ -247,6 +247,7 @@ class AsyncEngine:
         self._stalled = not step.ran
         if step.ran:  # the target's forward: prefill + sum(1 + l_r)
             self.metrics.observe_verification_budget(step.num_forward_tokens)
+            self.metrics.observe_step(step.drafter_ran, self.engine.gate_state())
         self._publish(time.perf_counter())
 
     def _publish(self, now: float) -> None:

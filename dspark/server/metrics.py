@@ -3,6 +3,7 @@
     metrics = ServerMetrics()              # its own CollectorRegistry, so apps never clash
     metrics.observe_request(meter, req.stats, now)   # after a step touched the request
     metrics.observe_verification_budget(n) # once per engine step
+    metrics.observe_step(ran, engine.gate_state())  # once per engine step: did the drafter run, is the gate open
     body = metrics.render()                # what GET /metrics returns
 
 Only the engine thread writes (prometheus_client is thread-safe, so /metrics may read at
@@ -65,6 +66,10 @@ class ServerMetrics:
         self.verification_budget = Histogram("dspark_verification_budget_tokens",
                                              "Tokens the target processes in one engine step",
                                              buckets=TOKEN_BUCKETS, registry=r)
+        self.engine_steps = Counter("dspark_engine_steps", "Engine steps that ran, by whether the drafter ran in them",
+                                    ["drafter"], registry=r)
+        self.gate_open: Gauge | None = None  # registered at the first step a gate judged (`observe_step`)
+        self.gate_probes: Counter | None = None
         self.mean_accepted_length = Gauge("dspark_mean_accepted_length",
                                           "tau: tokens emitted per decode round, over all requests so far",
                                           registry=r)
@@ -92,6 +97,21 @@ class ServerMetrics:
         """Call once per engine step with the tokens of the target's forward: prefill chunks
         plus sum over requests of (1 + l_r) (just the anchors under plain decoding)."""
         self.verification_budget.observe(num_tokens)
+
+    def observe_step(self, drafter_ran: bool, gate: tuple[bool, bool] | None) -> None:
+        """Call once per engine step that ran: whether the drafter ran, and the gate's (open, probed) after the
+        step (`LLMEngine.gate_state`; None: no gate)."""
+        self.engine_steps.labels(drafter="ran" if drafter_ran else "skipped").inc()
+        if gate is None:
+            return
+        if self.gate_open is None or self.gate_probes is None:  # a server without a gate shows neither
+            self.gate_open = Gauge("dspark_gate_open", "1 while the never-slower gate judges drafting to pay, 0 "
+                                   "while it decodes plainly", registry=self.registry)
+            self.gate_probes = Counter("dspark_gate_probes", "Steps a closed gate drafted to measure acceptance "
+                                       "again", registry=self.registry)
+        self.gate_open.set(int(gate[0]))
+        if gate[1]:
+            self.gate_probes.inc()
 
     def observe_queues(self, running: int, waiting: int, kv_used: int, kv_free: int) -> None:
         self.requests_running.set(running)

@@ -334,9 +334,10 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
                "engine steps grouped by kind (plain; drafted for every request; partial: for some, e.g. a probe; "
                "prefill: chunks shared the forward) and requests per step.\n\n" + steptrace.markdown(steptrace.summarize(steps)))
         if gates := steptrace.gate_summary(steps):
+            plots.gate_timeline(steps, out / f"gate{suffix}.png")
             md += ("\nThe never-slower gate, per configuration and load: the steps it judged drafting to pay (open), its "
-                   "probes, how often it closed and opened again, and the step of its first close (every step's state "
-                   "is in the same file).\n\n" + steptrace.gate_markdown(gates))
+                   "probes, how often it closed and opened again, and the first step it judged closed (every step's state "
+                   f"is in the same file; step by step in `gate{suffix}.png`).\n\n" + steptrace.gate_markdown(gates))
     if not complete:
         md = "**Partial: the run was still going (or was stopped) after these levels.**\n\n" + md
     report.write(out, f"online{suffix}", payload, md)

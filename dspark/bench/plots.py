@@ -6,7 +6,9 @@
   (stacked bars), acceptance rate and tau (lines), one panel per domain (Fig. 5 analog);
 - `frontier`: aggregate throughput against per-user speed, one curve per configuration,
   points labelled with their concurrency (Fig. 7 analog);
-- `budget`: aggregate throughput and verification budget against concurrency (Fig. 8).
+- `budget`: aggregate throughput and verification budget against concurrency (Fig. 8);
+- `gate_timeline`: a traced run's never-slower gate step by step, one panel per gated configuration and
+  concurrency: the depth it drafted at (0: closed), its probes, and everyone's first-position acceptance.
 
 Called by offline.py / online.py; every function takes plain rows and a path.
 """
@@ -122,4 +124,38 @@ def budget(rows: Sequence[dict], path: str | Path) -> Path:
         ax.set_xticks(ticks, [str(c) for c in ticks])
         ax.grid(alpha=0.3)
     _legend(axes[0])
+    return _save(fig, path)
+
+
+def gate_timeline(records: Sequence[dict], path: str | Path) -> Path | None:
+    """From step records carrying the gate's state (`steptrace.record` of a traced run): one panel per gated
+    configuration (rows) and concurrency (columns), the verdict's depth by step (0 while closed) as a step line,
+    probes as marks, and the first position's acceptance estimate on a second axis. None (and no file) when no
+    record carries a gate."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if "gate" in r:
+            groups.setdefault((r["config"], r["concurrency"]), []).append(r["gate"])
+    if not groups:
+        return None
+    configs = list(dict.fromkeys(k[0] for k in groups))
+    levels = sorted({k[1] for k in groups})
+    plt = _plt()
+    fig, axes = plt.subplots(len(configs), len(levels), figsize=(4.2 * len(levels), 3.0 * len(configs)), squeeze=False)
+    for (config, c), gates in groups.items():
+        ax = axes[configs.index(config)][levels.index(c)]
+        steps = range(len(gates))
+        ax.step(steps, [g["depth"] for g in gates], where="post", label="depth (0: closed)")
+        probes = [i for i, g in enumerate(gates) if g["probe"]]
+        ax.plot(probes, [0] * len(probes), "v", color="tab:red", label="probe")
+        ax.set(xlabel="step", ylabel="draft depth", title=f"{config}, C = {c}")
+        twin = ax.twinx()
+        twin.plot(steps, [g["acceptance"][0] for g in gates], color="tab:green", label="first-position acceptance")
+        twin.set(ylim=(0, 1), ylabel="acceptance estimate")
+        _legend(ax, loc="upper left")
+        _legend(twin, loc="lower right")
+    for row in axes:  # a configuration with no gated steps at some concurrency leaves its panel empty
+        for ax in row:
+            if not ax.has_data():
+                ax.set_axis_off()
     return _save(fig, path)

@@ -83,8 +83,8 @@ def markdown(rows: list[dict]) -> str:
 
 def gate_summary(records: Iterable[dict]) -> list[dict]:
     """Rows per (config, concurrency) whose records carry the gate's state, in record order: steps, the share
-    judged open, probes, closes (an open verdict followed by a closed one), reopens (the reverse), and the step
-    of the first close (None: never)."""
+    judged open, probes, closes (an open verdict followed by a closed one), reopens (the reverse), and the first
+    step judged closed, counting from 1 (None: never; 1: the run began closed, on what the warm-up taught it)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in records:
         if "gate" in r:
@@ -92,17 +92,17 @@ def gate_summary(records: Iterable[dict]) -> list[dict]:
     rows = []
     for (config, c), gates in groups.items():
         flips = [(a["open"], b["open"]) for a, b in zip(gates, gates[1:], strict=False)]
-        first = next((i + 1 for i, (a, b) in enumerate(flips) if a and not b), None)
+        first = next((i + 1 for i, g in enumerate(gates) if not g["open"]), None)
         rows.append({"config": config, "concurrency": c, "steps": len(gates),
                      "open_share": sum(g["open"] for g in gates) / len(gates), "probes": sum(g["probe"] for g in gates),
-                     "closes": flips.count((True, False)), "reopens": flips.count((False, True)), "first_close": first})
+                     "closes": flips.count((True, False)), "reopens": flips.count((False, True)), "first_closed": first})
     return rows
 
 
 def gate_markdown(rows: list[dict]) -> str:
     """The `gate_summary` rows as a markdown table."""
-    head = ("| config | C | steps | open | probes | closes | reopens | first close (step) |\n"
+    head = ("| config | C | steps | open | probes | closes | reopens | first step closed |\n"
             "|---|---|---|---|---|---|---|---|\n")
     lines = [f"| {r['config']} | {r['concurrency']} | {r['steps']} | {r['open_share']:.0%} | {r['probes']} | "
-             f"{r['closes']} | {r['reopens']} | {'–' if r['first_close'] is None else r['first_close']} |" for r in rows]
+             f"{r['closes']} | {r['reopens']} | {'–' if r['first_closed'] is None else r['first_closed']} |" for r in rows]
     return head + "\n".join(lines) + "\n"

@@ -148,7 +148,8 @@ def gate_timeline(records: Sequence[dict], path: str | Path) -> Path | None:
         ax.step(steps, [g["depth"] for g in gates], where="post", label="depth (0: closed)")
         probes = [i for i, g in enumerate(gates) if g["probe"]]
         ax.plot(probes, [0] * len(probes), "v", color="tab:red", label="probe")
-        ax.set(xlabel="step", ylabel="draft depth", title=f"{config}, C = {c}")
+        ax.set(xlabel="step", ylabel="draft depth", title=f"{config}, C = {c}",
+               ylim=(-0.3, max(g["depth"] for g in gates) + 0.5))  # 0 (closed) in view even where never reached
         twin = ax.twinx()
         twin.plot(steps, [g["acceptance"][0] for g in gates], color="tab:green", label="first-position acceptance")
         twin.set(ylim=(0, 1), ylabel="acceptance estimate")

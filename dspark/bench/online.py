@@ -23,7 +23,8 @@ report adds τ, per-user tok/s and the drafter that carried each task kind). Wit
 drafter and policy) and the load goes over HTTP (http_loop.py). Writes online.json, online.md, frontier.png and budget.png (a hostile
 run: online-hostile.json, ...), with ratios against `none` (or the first configuration)
 measured in the same run. `--trace` also keeps every engine step (online-steps.jsonl) and adds a
-table of steps by kind and requests per step (steptrace.py).
+table of steps by kind and requests per step (steptrace.py); under a gated policy each step also
+carries the gate's state, counted in a second table and drawn in gate.png (`plots.gate_timeline`).
 """
 
 from __future__ import annotations

@@ -55,15 +55,15 @@ def test_gate_summary_counts_open_steps_probes_closes_and_reopens_per_config_and
             gated("dspark:dspark", True), gated("dspark:dspark", True), gated("dspark:dspark", False),
             gated("dspark:dspark", False, probe=True), gated("dspark:dspark", True), gated("dspark:dspark", False),
             gated("dspark:dspark", True, c=4), gated("dspark:dspark", True, c=4)]
-    one, four = steptrace.gate_summary(recs)
+    one, four = steptrace.gate_summary(steptrace.gate_runs(recs))
     assert (one["config"], one["concurrency"], one["steps"]) == ("dspark:dspark", 1, 6)
     assert (one["probes"], one["closes"], one["reopens"], one["first_closed"]) == (1, 2, 1, 3)
     assert one["open_share"] == 0.5
     assert (four["steps"], four["closes"], four["first_closed"], four["open_share"]) == (2, 0, None, 1.0)
     md = steptrace.gate_markdown([one, four])
     assert "| dspark:dspark | 1 | 6 | 50% | 1 | 2 | 1 | 3 |" in md and "| dspark:dspark | 4 | 2 | 100% | 0 | 0 | 0 | – |" in md
-    assert steptrace.gate_summary([rec("none", 1, 0, 0, 1, 1, 0.02)]) == []
-    began_closed = steptrace.gate_summary([gated("dspark:dspark", False), gated("dspark:dspark", True)])[0]
+    assert steptrace.gate_runs([rec("none", 1, 0, 0, 1, 1, 0.02)]) == {}
+    began_closed = steptrace.gate_summary(steptrace.gate_runs([gated("dspark:dspark", False), gated("dspark:dspark", True)]))[0]
     assert (began_closed["closes"], began_closed["reopens"], began_closed["first_closed"]) == (0, 1, 1)
 
 
@@ -78,6 +78,6 @@ def test_gate_timeline_draws_each_gated_config_and_load_and_nothing_without_a_ga
     recs = [rec("none", 1, 0, 0, 1, 1, 0.02, c=1), step("dspark:dspark", 1, 3), step("dspark:dspark", 1, 0),
             step("dspark:dspark", 1, 0, probe=True, p1=0.2), step("dspark:dspark", 4, 1),
             step("dspark:dspark-async", 1, 2)]
-    out = plots.gate_timeline(recs, tmp_path / "gate.png")
+    out = plots.gate_timeline(steptrace.gate_runs(recs), tmp_path / "gate.png")
     assert out == tmp_path / "gate.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert plots.gate_timeline(recs[:1], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+    assert plots.gate_timeline(steptrace.gate_runs(recs[:1]), tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()

@@ -334,11 +334,11 @@ def write(s: OnlineSettings, path: Path, rows: list[dict], skipped: list[str], o
         md += ("\n## Steps by load (`--trace`; every step in `online" + suffix + "-steps.jsonl`)\n\nEach configuration's "
                "engine steps grouped by kind (plain; drafted for every request; partial: for some, e.g. a probe; "
                "prefill: chunks shared the forward) and requests per step.\n\n" + steptrace.markdown(steptrace.summarize(steps)))
-        if gates := steptrace.gate_summary(steps):
-            plots.gate_timeline(steps, out / f"gate{suffix}.png")
+        if runs := steptrace.gate_runs(steps):
+            plots.gate_timeline(runs, out / f"gate{suffix}.png")
             md += ("\nThe never-slower gate, per configuration and load: the steps it judged drafting to pay (open), its "
                    "probes, how often it closed and opened again, and the first step it judged closed (every step's state "
-                   f"is in the same file; step by step in `gate{suffix}.png`).\n\n" + steptrace.gate_markdown(gates))
+                   f"is in the same file; step by step in `gate{suffix}.png`).\n\n" + steptrace.gate_markdown(steptrace.gate_summary(runs)))
     if not complete:
         md = "**Partial: the run was still going (or was stopped) after these levels.**\n\n" + md
     report.write(out, f"online{suffix}", payload, md)

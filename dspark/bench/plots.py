@@ -127,22 +127,18 @@ def budget(rows: Sequence[dict], path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def gate_timeline(records: Sequence[dict], path: str | Path) -> Path | None:
-    """From step records carrying the gate's state (`steptrace.record` of a traced run): one panel per gated
+def gate_timeline(runs: dict[tuple[str, int], list[dict]], path: str | Path) -> Path | None:
+    """The gate's states per (config, concurrency) of a traced run (`steptrace.gate_runs`): one panel per gated
     configuration (rows) and concurrency (columns), the verdict's depth by step (0 while closed) as a step line,
     probes as marks, and the first position's acceptance estimate on a second axis. None (and no file) when no
-    record carries a gate."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        if "gate" in r:
-            groups.setdefault((r["config"], r["concurrency"]), []).append(r["gate"])
-    if not groups:
+    configuration was gated."""
+    if not runs:
         return None
-    configs = list(dict.fromkeys(k[0] for k in groups))
-    levels = sorted({k[1] for k in groups})
+    configs = list(dict.fromkeys(k[0] for k in runs))
+    levels = sorted({k[1] for k in runs})
     plt = _plt()
     fig, axes = plt.subplots(len(configs), len(levels), figsize=(4.2 * len(levels), 3.0 * len(configs)), squeeze=False)
-    for (config, c), gates in groups.items():
+    for (config, c), gates in runs.items():
         ax = axes[configs.index(config)][levels.index(c)]
         steps = range(len(gates))
         ax.step(steps, [g["depth"] for g in gates], where="post", label="depth (0: closed)")

@@ -10,7 +10,7 @@ plain one at sixteen requests of the same run. A step's seconds are its own `LLM
 around the call. Under a policy with the never-slower gate each record also carries the gate's state after the
 step (`Gate.snapshot`: open or closed, a probe or not, the steps to the next probe, everyone's acceptance
 estimates, the profile's online scales), and a second table counts, per configuration and load, the steps the
-gate held open, its probes, and how often it closed and opened again (`gate_summary`).
+gate held open, its probes, and how often it closed and opened again (`gate_runs`, `gate_summary`).
 """
 
 from __future__ import annotations
@@ -81,16 +81,22 @@ def markdown(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def gate_summary(records: Iterable[dict]) -> list[dict]:
-    """Rows per (config, concurrency) whose records carry the gate's state, in record order: steps, the share
-    judged open, probes, closes (an open verdict followed by a closed one), reopens (the reverse), and the first
-    step judged closed, counting from 1 (None: never; 1: the run began closed, on what the warm-up taught it)."""
-    groups: dict[tuple, list[dict]] = defaultdict(list)
+def gate_runs(records: Iterable[dict]) -> dict[tuple[str, int], list[dict]]:
+    """The gate's states of the records that carry one, per (config, concurrency), in record order (empty: no
+    gated configuration); what `gate_summary` counts and `plots.gate_timeline` draws."""
+    runs: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for r in records:
         if "gate" in r:
-            groups[(r["config"], r["concurrency"])].append(r["gate"])
+            runs[(r["config"], r["concurrency"])].append(r["gate"])
+    return dict(runs)
+
+
+def gate_summary(runs: dict[tuple[str, int], list[dict]]) -> list[dict]:
+    """A row per run of `gate_runs`: steps, the share judged open, probes, closes (an open verdict followed by a
+    closed one), reopens (the reverse), and the first step judged closed, counting from 1 (None: never; 1: the
+    run began closed, on what the warm-up taught it)."""
     rows = []
-    for (config, c), gates in groups.items():
+    for (config, c), gates in runs.items():
         flips = [(a["open"], b["open"]) for a, b in zip(gates, gates[1:], strict=False)]
         first = next((i + 1 for i, g in enumerate(gates) if not g["open"]), None)
         rows.append({"config": config, "concurrency": c, "steps": len(gates),

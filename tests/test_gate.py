@@ -669,3 +669,6 @@ def test_a_traced_step_carries_the_gate_state_and_an_untraced_one_does_not(qwen3
     assert len(gates[0]["acceptance"]) == runner.gamma and set(gates[0]["scales"]) == {"verify", "plain", "spec"}
     assert states[-len(gates):] == [(g["open"], g["probe"]) for g in gates]
     assert any(g["probe"] for g in gates) and build_engine(qwen3_dir, None, "none", EngineConfig(device="cpu")).gate_state() is None
+    runner.gate.probing = True  # as a probe leaves it; a step that judges nothing (a prefill alone) is no probe
+    engine.add_request(list(range(5, 25)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    assert engine.step().gate["probe"] is False and engine.gate_state()[1] is False

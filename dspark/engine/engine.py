@@ -97,7 +97,7 @@ class LLMEngine:
         """The never-slower gate after the last step: (open, whether that step was its probe); None without a
         gate judging (plain decoding, a policy that drafts unconditionally, or no step profile)."""
         gate = getattr(self.runner, "gate", None)
-        return None if gate is None or gate.idle else (gate.open, gate.probing)
+        return None if gate is None or gate.idle else (gate.open, self.runner.probed)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

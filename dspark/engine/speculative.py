@@ -49,6 +49,8 @@ class SpeculativeRunner:
         self.pending = PendingContext()
         self.recorder: list[tuple[torch.Tensor, list[int], list[int]]] | None = None  # (conf logits, l, accepted)
         self.snapshots = False  # each step's result carries the gate's state (`Gate.snapshot`; a step trace asks)
+        self.probed = False  # the last step was a closed gate's probe (the gate's own flag is not reset by a step
+        # that judged nothing, a prefill alone)
         drafter.set_profile(self.profile)
 
     def set_profile(self, profile: StepProfile) -> None:
@@ -126,10 +128,11 @@ class SpeculativeRunner:
             self.gate.observe_share(drafted, len(decode))
         result.drafter_ran = drafting
         self._observe(drafted, batch.num_tokens, result, drafting, depth, sampled, len(rows))
-        if drafting and self.gate is not None and self.gate.probing and not other_tokens:
+        self.probed = drafting and self.gate is not None and self.gate.probing
+        if self.probed and not other_tokens:
             self.gate.observe_probe(decoding, sum(result.times.values()))
         if self.snapshots and self.gate is not None and not self.gate.idle:
-            result.gate = self.gate.snapshot(drafting and self.gate.probing)
+            result.gate = self.gate.snapshot(self.probed)
         return result
 
     # ---- pieces ---------------------------------------------------------------------------

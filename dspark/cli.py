@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default=None, help="dspark | dflash | eagle3 | mtp | ngram | suffix | auto (dspark+suffix) | NAME+suffix | PATH")
+    p.add_argument("--drafter", default=None, help="dspark | dflash | eagle3 | mtp | ngram | suffix | auto (dspark+suffix) | NAME+suffix | DEEP+ONE (dspark+mtp) | PATH")
     p.add_argument("--policy", default=None, help="none | static:K | threshold:T | dspark | dspark-async")
     p.add_argument("--gamma", type=int, default=None, help="draft block size (<= the drafter's)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",

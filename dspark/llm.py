@@ -23,8 +23,8 @@ class LLM:
                  drafter: str | None = None, policy: str | None = None, gamma: int | None = None,
                  profile: str = "auto", draft_vocab: int | None = None, gate: str | GateConfig | None = None,
                  **engine_kwargs) -> None:
-        """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | PATH; policy: none | static:K |
-        threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
+        """drafter: dspark | dflash | eagle3 | mtp | ngram | suffix | auto | NAME+suffix | DEEP+ONE (dspark+mtp) | PATH;
+        policy: none | static:K | threshold:T | dspark | dspark-async. Naming neither uses the model's default (the
         shipped dspark drafter and policy on the built-in models, plain decoding elsewhere).
         draft_vocab: draft from the N most frequent tokens (0: all; None: the drafter's own setting;
         `dspark draft-vocab`). gate: the never-slower gate's options, a GateConfig or 'enabled=0,cut=0'

@@ -24,7 +24,7 @@ from dspark.models.loader import load_model
 from dspark.sampling import SamplingParams
 from dspark.spec.profile import StepProfile
 
-KINDS = ["dspark", "dflash", "eagle3", "mtp", "dspark-exit", "ngram"]
+KINDS = ["dspark", "dflash", "eagle3", "mtp", "dspark-exit", "pair", "ngram"]  # pair: a causal block + MTP
 EXIT = {"causal_block": True, "exit_mlp": 16}  # dspark-exit: a causal block with an early exit
 POLICIES = ["none", "static:1", "static:3", "threshold:0.3", "dspark", "dspark-async"]
 PROMPTS = ["def add(a, b):", "The quick brown fox"]
@@ -38,12 +38,18 @@ def drafters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
     net, tok = load_model(qwen3_dir)
     out = {"ngram": "ngram"}
     for kind in KINDS[:-1]:
+        if kind == "pair":
+            continue
         torch.manual_seed(0)
         extra = EXIT if kind == "dspark-exit" else {}
         config = new_config(kind.split("-")[0], net.config, tok.token_id("<|mask|>") or 0, **extra)
         path = tmp_path_factory.mktemp(kind)
         save_drafter(new_drafter(config), config, path)  # type: ignore[arg-type]
         out[kind] = str(path)
+    config = new_config("dspark", net.config, tok.token_id("<|mask|>") or 0, causal_block=True)
+    causal = tmp_path_factory.mktemp("causal")
+    save_drafter(new_drafter(config), config, causal)  # type: ignore[arg-type]
+    out["pair"] = f"{causal}+{out['mtp']}"
     return out
 
 
@@ -84,10 +90,10 @@ def test_profile_command_measures_into_an_empty_cache(qwen3_dir, drafters, kind,
     assert "draft  R=" in out
     assert len(list(cache.glob("*.json"))) == 1
     # an autoregressive drafter and a causal block cut exactly: a one-position proposal is timed too, and two
-    # positions where one reads an early exit
+    # positions where one reads an early exit or the pair's one-position drafter
     prof = StepProfile.from_json(next(cache.glob("*.json")).read_text())
-    assert bool(prof.shallow_s) == (kind in ("eagle3", "dspark-exit")) == ("one position" in out)
-    assert bool(prof.pair_s) == (kind == "dspark-exit") == ("two:" in out)
+    assert bool(prof.shallow_s) == (kind in ("eagle3", "dspark-exit", "pair")) == ("one position" in out)
+    assert bool(prof.pair_s) == (kind in ("dspark-exit", "pair")) == ("two:" in out)
     assert len(prof.shallow_s) in (0, len(prof.requests)) and len(prof.pair_s) in (0, len(prof.requests))
     # the default engine prices by tokens: its profile times no row shapes (they cost a fresh machine seconds)
     assert not prof.rows and "rows R=" not in out

@@ -170,25 +170,31 @@ def drafter_config_path(name: str, model_dir: Path) -> Path | None:
 
 def drafter_gamma(name: str, model_dir: Path) -> int | None:
     """The drafter's own block size, without loading its weights; None when it is missing."""
-    from dspark.drafters.registry import GAMMA, WEIGHT_FREE, routed_parts
+    from dspark.drafters.registry import GAMMA, WEIGHT_FREE, paired_parts, routed_parts
 
     name = split_drafter(name)[0]
     if name in WEIGHT_FREE:
         return GAMMA[name]
     if routed_parts(name) is not None:
         return drafter_gamma(routed_parts(name), model_dir)  # type: ignore[arg-type]
+    pair = paired_parts(name)
+    if pair is not None:  # the deep drafter's block, where both parts are there
+        deep, one = (drafter_gamma(p, model_dir) for p in pair)
+        return None if one is None else deep
     cfg = drafter_config_path(name, model_dir)
     return None if cfg is None else int(json.loads(cfg.read_text()).get("gamma", 7))
 
 
 def drafter_kind(name: str, model_dir: Path) -> str:
-    from dspark.drafters.registry import WEIGHT_FREE, routed_parts
+    from dspark.drafters.registry import WEIGHT_FREE, paired_parts, routed_parts
 
     name = split_drafter(name)[0]
     if name in WEIGHT_FREE:
         return name
     if routed_parts(name) is not None:
         return "auto"
+    if paired_parts(name) is not None:
+        return drafter_kind(paired_parts(name)[0], model_dir)  # type: ignore[index]
     cfg = drafter_config_path(name, model_dir)
     return name if cfg is None else str(json.loads(cfg.read_text()).get("kind", name))
 

@@ -220,6 +220,12 @@ class Drafter(ABC):
         return False
 
     @property
+    def exits(self) -> bool:
+        """Whether a one-position proposal takes a path of its own (an early exit, a paired drafter), off the
+        line from two positions to the whole block: the step profile then times two positions too."""
+        return False
+
+    @property
     def measured(self) -> Drafter:
         """The drafter whose proposals the step profile times (a router: its neural part)."""
         return self

@@ -97,6 +97,10 @@ class BlockDrafter(NeuralDrafter):
     def cuts_exactly(self) -> bool:
         return self.config.causal_block
 
+    @property
+    def exits(self) -> bool:
+        return bool(self.config.exit_mlp)
+
     @torch.inference_mode()
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
         depth = depth_of(self, depth)

@@ -1,8 +1,9 @@
-"""Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|suffix|auto|NAME+suffix|PATH` to a drafter.
+"""Resolve `--drafter dspark|dflash|eagle3|mtp|ngram|suffix|auto|NAME+suffix|DEEP+ONE|PATH` to a drafter.
 
 A name picks the checkpoint shipped for the model (`assets/<model>/drafters/<kind>/`);
 `ngram` and `suffix` need no weights; `auto` (= `dspark+suffix`) and `NAME+suffix` route each
-request per step between the neural drafter NAME and the suffix drafter (`drafters/route.py`);
+request per step between the neural drafter NAME and the suffix drafter (`drafters/route.py`); `DEEP+ONE`
+(`dspark+mtp`) proposes one position with the drafter ONE and more with DEEP (`drafters/pair.py`);
 a path is a directory with `config.json` (+ `model.safetensors`): dspark's own format or a
 published one (DeepSpec, speculators, DFlash, EAGLE-3), detected by `dspark/drafters/formats/`.
 `new_drafter` builds an untrained one sized for a target (training, tests).
@@ -60,6 +61,17 @@ def routed_parts(name: str) -> str | None:
     return None
 
 
+def paired_parts(name: str) -> tuple[str, str] | None:
+    """The two neural drafters of a pair, 'dspark+mtp' -> ('dspark', 'mtp'): the first proposes two or more
+    positions, the second one (`drafters/pair.py`); None for anything else (a routed name pairs with suffix)."""
+    parts = name.split("+")
+    if len(parts) != 2 or parts[0] == parts[1] or routed_parts(name) is not None or Path(name).expanduser().is_dir():
+        return None
+    if any(p in WEIGHT_FREE or p == "auto" for p in parts):
+        raise ValueError(f"drafter {name!r}: a pair joins two drafters with weights (a copy drafter routes: NAME+suffix)")
+    return parts[0], parts[1]
+
+
 def new_config(kind: str, target: ModelConfig, mask_token_id: int = 0, **overrides) -> DrafterConfig:
     """The config of an untrained `kind` drafter for `target` (`docs/architecture.md`, Drafter defaults)."""
     base = dict(
@@ -87,7 +99,8 @@ def new_drafter(config: DrafterConfig) -> Drafter:
 
 def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig | None = None,
                  mask_token_id: int = 0) -> Drafter:
-    """A shipped name (for the model at model_dir), `ngram`, `suffix`, a routed pair, or a checkpoint directory."""
+    """A shipped name (for the model at model_dir), `ngram`, `suffix`, a routed pair (NAME+suffix), a pair of neural
+    drafters (DEEP+ONE), or a checkpoint directory."""
     if name in WEIGHT_FREE:
         if target is None:
             raise ValueError(f"the {name} drafter needs the target's config")
@@ -100,6 +113,12 @@ def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig |
         copy = load_drafter("suffix", model_dir, target, mask_token_id)
         copy.config = copy.config.replace(gamma=inner.gamma)
         return RoutedDrafter(inner, copy)  # type: ignore[arg-type]
+    pair = paired_parts(name)
+    if pair is not None:
+        from dspark.drafters.pair import PairedDrafter
+
+        deep, shallow = (load_drafter(p, model_dir, target, mask_token_id) for p in pair)
+        return PairedDrafter(deep, shallow)  # type: ignore[arg-type]
     path = Path(name).expanduser()
     if name in KINDS:
         shipped = model_dir.parent / "drafters" / name if model_dir is not None else None

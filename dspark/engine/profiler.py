@@ -218,8 +218,9 @@ def measure(engine, runner: SpeculativeRunner, key: str, context_len: int = 256,
             drafter.extend(synthetic_context(engine, runner, ids, c))  # the state a real request has when drafted
             # one position is timed only where a step may draft it: a router's neural part cuts, the router does not
             cuts = runner.drafter.cuts_exactly and gamma > 1
-            # a drafter with an early exit also times two positions: one is off the line from there to the full block
-            depths = ((None, 1, 2) if drafter.config.exit_mlp and gamma > 2 else (None, 1)) if cuts else (None,)
+            # a drafter with an early exit (or a pair) also times two positions: one is off the line from there to
+            # the full block
+            depths = ((None, 1, 2) if drafter.exits and gamma > 2 else (None, 1)) if cuts else (None,)
             points = [partial(draft_time, inputs[:r], depth) for depth in depths for r in requests]
             points += [partial(draft_time, inputs[:r], None, True) for r in requests] if split else []
             drafted = least(points, repeats)

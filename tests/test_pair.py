@@ -39,8 +39,10 @@ def paired(path, policy: str, **kw):
 @pytest.mark.parametrize("policy", ["static:1", "static:3", "static:7", "threshold:0.3", "dspark"])
 def test_greedy_identical_and_each_depth_drafted_by_its_part(qwen3_dir, policy):
     reference = [o.token_ids for o in run(engine_for(qwen3_dir))]
-    outs = run(paired(qwen3_dir, policy))
+    engine = paired(qwen3_dir, policy)
+    outs = run(engine)
     assert [o.token_ids for o in outs] == reference, policy
+    assert engine.drafter.cache_bytes_in_use() == 0 and not any(engine.drafter.waiting.values())
     drafted = {k for o in outs for k, n in o.stats["draft_tokens_by"].items() if n}
     assert drafted == ({"mtp"} if policy == "static:1" else {"dspark"}), drafted
 
@@ -69,8 +71,10 @@ def test_each_part_reads_its_own_taps_and_proposes_as_it_would_alone(qwen3_dir):
     assert one.tokens[0, 0] == alone[1].propose(inp, rows, 1).tokens[0, 0]
     assert torch.equal(three.tokens[:, :3], alone[0].propose(inp, rows, 3).tokens[:, :3])
     assert three.confidence is not None and one.confidence is None
+    pair.extend([ContextRow("r", len(ids) - 1, ids[-1:], taps[0, -1:])])  # waits for the part that drafts next
+    assert all(len(w) == 1 for w in pair.waiting.values())
     pair.free("r")
-    assert pair.cache_bytes_in_use() == 0
+    assert pair.cache_bytes_in_use() == 0 and not any(pair.waiting.values())
 
 
 def test_a_pair_that_cannot_cut_or_names_a_copy_drafter_is_refused(qwen3_dir, tmp_path):

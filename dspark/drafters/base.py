@@ -256,6 +256,37 @@ class Drafter(ABC):
         request is drafted as if it came first (benchmarks that run one prompt several times)."""
 
 
+class Waiting:
+    """Context rows a drafter has not received yet, per request, handed over merged (one row each) when it next
+    drafts for them: a part of a pair or a router's neural drafter that sits out a step does no work for it."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[ContextRow]] = {}
+
+    def add(self, rows: Sequence[ContextRow]) -> None:
+        for r in rows:
+            if len(r.token_ids):
+                self.rows.setdefault(r.seq_id, []).append(r)
+
+    def take(self, seq_ids: Sequence[str]) -> list[ContextRow]:
+        """One row per request that has any (features concatenated), removed from the queue."""
+        merged = []
+        for sid in seq_ids:
+            rows = self.rows.pop(sid, [])
+            if rows:
+                feats = [r.features for r in rows]
+                merged.append(ContextRow(sid, rows[0].start, [t for r in rows for t in r.token_ids],
+                                         None if feats[0] is None else torch.cat(feats)))
+        return merged
+
+    def drop(self, seq_id: str) -> None:
+        self.rows.pop(seq_id, None)
+
+    def __len__(self) -> int:
+        """The requests with rows waiting."""
+        return len(self.rows)
+
+
 def save_drafter(module: torch.nn.Module, config: DrafterConfig, out_dir: str | Path) -> None:
     """config.json + model.safetensors (only the drafter's own weights)."""
     from safetensors.torch import save_file

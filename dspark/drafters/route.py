@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput
+from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, Waiting
 from dspark.drafters.suffix import SuffixDrafter
 from dspark.sampling import SamplingRows
 from dspark.spec.profile import StepProfile
@@ -78,7 +78,7 @@ class RoutedDrafter(Drafter):
             raise ValueError(f"routing needs the neural drafter's confidences; {neural.config.kind} has no head")
         self.neural, self.copy, self.smoothing = neural, copy, smoothing
         self._config = neural.config.replace(kind="auto")
-        self.waiting: dict[str, list[ContextRow]] = {}  # context the neural drafter has not received
+        self.waiting = Waiting()  # context the neural drafter has not received
         self.expect: dict[str, float] = {}  # per request: smoothed survival sums of the neural drafter
         self.prior = neural.gamma / 2  # for requests it never drafted for (updated by all of them)
         self.blocks: dict[str, tuple[int, list[int], float]] = {}  # last neural block: (position of x_1, tokens, sum)
@@ -121,23 +121,14 @@ class RoutedDrafter(Drafter):
 
     def extend(self, rows: Sequence[ContextRow]) -> None:
         self.copy.extend(rows)
-        for r in rows:
-            if len(r.token_ids):
-                self.waiting.setdefault(r.seq_id, []).append(r)
+        self.waiting.add(rows)
 
     def hand_over(self, seq_ids: Sequence[str]) -> None:
         """The waiting context of these requests, merged into one row each, to the neural drafter."""
-        merged = []
-        for sid in seq_ids:
-            rows = self.waiting.pop(sid, [])
-            if rows:
-                feats = [r.features for r in rows]
-                merged.append(ContextRow(sid, rows[0].start, [t for r in rows for t in r.token_ids],
-                                         None if feats[0] is None else torch.cat(feats)))
-        self.neural.extend(merged)
+        self.neural.extend(self.waiting.take(seq_ids))
 
     def free(self, seq_id: str) -> None:
-        self.waiting.pop(seq_id, None)
+        self.waiting.drop(seq_id)
         self.blocks.pop(seq_id, None)
         self.expect.pop(seq_id, None)
         self.idle.pop(seq_id, None)

@@ -12,8 +12,11 @@ cost and the depths from two on along the block's line.
 
 Both drafters read their own target layers: the target taps the union of the two (in layer order) and each drafter's
 context rows carry its own columns. A part receives a request's context when it next drafts for it (the rows wait
-here, as the engine's own wait for a drafting step), so a step drafted by one part does no work for the other: with
-both written every step, one position of the pair ran 4% behind MTP-1 alone at 4-64 requests.
+here, as the engine's own wait for a drafting step), so a step drafted by one part does no work for the other.
+
+Measured on an AVX2 CPU (`docs/results/avx2/online/pair/`): ahead of the DSpark drafter alone at 16 requests, level
+at 64, behind at 4 and at times at one: the gate's acceptance record is shared by the two parts, and rounds of one
+position teach it nothing about the deeper ones. Not the default.
 Each block is verified against the distribution it was drawn from (the one-position drafter's has no confidence
 head: the policy reads the observed acceptance there), so the output distribution is the target's.
 """

@@ -28,7 +28,15 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
-from dspark.drafters.base import ContextRow, DraftBlock, Drafter, DrafterConfig, ProposeInput, Waiting, widened
+from dspark.drafters.base import (
+    ContextRow,
+    DraftBlock,
+    Drafter,
+    DrafterConfig,
+    ProposeInput,
+    Waiting,
+    widened,
+)
 from dspark.drafters.neural import NeuralDrafter
 from dspark.sampling import SamplingRows
 

@@ -207,6 +207,21 @@ def test_a_drafter_ships_its_draft_vocabulary(tmp_path, qwen3_dir):
     assert build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off", draft_vocab=0).drafter.vocab_ids is None
     assert len(build_engine(model, str(tmp_path / "drafter"), "static:3", profile="off",
                             draft_vocab=32).drafter.vocab_ids) == 32
+    # routed to the suffix drafter (`auto` is dspark+suffix) its neural part keeps the set it ships with, as alone
+    routed = build_engine(model, f"{tmp_path / 'drafter'}+suffix", "static:3", profile="off").drafter
+    assert routed.neural.vocab_ids.tolist() == list(range(16))
+    assert build_engine(model, f"{tmp_path / 'drafter'}+suffix", "static:3", profile="off",
+                        draft_vocab=0).drafter.neural.vocab_ids is None
+
+
+@pytest.mark.parametrize("policy", ["static:7", "dspark"])
+def test_greedy_output_unchanged_when_a_router_drafts_from_a_draft_vocabulary(qwen3_dir, plain, policy):
+    from tests.test_route import routed
+
+    engine = routed(qwen3_dir, policy)
+    engine.drafter.restrict_vocab(list(range(0, engine.model.config.vocab_size, 2)))  # half the tokens
+    assert engine.drafter.neural.vocab_ids is not None and engine.drafter.splits_vocab
+    assert [o.token_ids for o in run(engine, PROMPTS[::3], GREEDY)] == plain, policy
 
 
 def test_the_profile_times_a_split_vocabulary_both_ways(tmp_path, qwen3_dir, monkeypatch):

@@ -112,6 +112,14 @@ class RoutedDrafter(Drafter):
     def measured(self) -> Drafter:
         return self.neural.measured
 
+    @property
+    def splits_vocab(self) -> bool:
+        return self.neural.splits_vocab
+
+    def restrict_vocab(self, ids: Sequence[int] | None) -> None:
+        """The neural drafter's draft vocabulary (`NeuralDrafter.restrict_vocab`); the copy drafter has no LM head."""
+        self.neural.restrict_vocab(ids)
+
     def bind(self, target, num_blocks: int, block_size: int) -> None:
         self.neural.bind(target, num_blocks, block_size)
         self.copy.bind(target, num_blocks, block_size)

@@ -21,6 +21,7 @@ from dspark.drafters.base import Drafter
 from dspark.drafters.neural import NeuralDrafter
 from dspark.drafters.pair import PairedDrafter
 from dspark.drafters.registry import load_drafter
+from dspark.drafters.route import RoutedDrafter
 from dspark.drafters.vocab import FILE as COUNTS_FILE
 from dspark.drafters.vocab import top_ids
 from dspark.engine import profiler
@@ -65,10 +66,13 @@ def assemble(model: CausalLM, tokenizer: TextTokenizer, cfg: EngineConfig, draft
     return LLMEngine(model, tokenizer, cfg, kv, runner)
 
 
+VOCAB_DRAFTERS = (NeuralDrafter, PairedDrafter, RoutedDrafter)  # drafters with an LM head to restrict (`--draft-vocab`)
+
+
 def default_vocab(d: Drafter | None, path: Path) -> int:
     """The draft vocabulary a drafter ships with (`serve_vocab`), where the model has the token counts
     that rank it; 0 (every token) otherwise."""
-    if isinstance(d, NeuralDrafter | PairedDrafter) and d.config.serve_vocab and (path / COUNTS_FILE).is_file():
+    if isinstance(d, VOCAB_DRAFTERS) and d.config.serve_vocab and (path / COUNTS_FILE).is_file():
         return d.config.serve_vocab
     return 0
 
@@ -108,11 +112,11 @@ def build_engine(model: str | Path | None = None, drafter: str | None = None, po
     draft_vocab = default_vocab(d, path) if draft_vocab is None else draft_vocab
     if draft_vocab and d is None:
         raise ValueError("--draft-vocab needs a drafter")
-    if draft_vocab and not isinstance(d, NeuralDrafter | PairedDrafter):
+    if draft_vocab and not isinstance(d, VOCAB_DRAFTERS):
         raise ValueError(f"the {d.config.kind} drafter has no LM head to restrict (--draft-vocab)")
     ids = top_ids(path, draft_vocab) if draft_vocab else None
     engine = assemble(net, tok, cfg, drafter=d, policy=policy, gate=gate)
-    if ids is not None and isinstance(d, NeuralDrafter | PairedDrafter):
+    if ids is not None and isinstance(d, VOCAB_DRAFTERS):
         d.restrict_vocab(ids)
     runner = engine.runner
     if isinstance(runner, SpeculativeRunner) and engine.policy.needs_cost and profile != "off":

@@ -81,6 +81,19 @@ def test_export_refuses_a_causal_block_and_an_mlp_head(tmp_path):
         check_exportable(cfg.replace(head="mlp"))
 
 
+def test_export_refuses_two_drafters_joined(tmp_path):
+    """A pair (`DEEP+ONE`) or a routed name (`NAME+suffix`) is two drafters; a checkpoint holds one."""
+    target = load_target(TARGET)
+    mtp = new_config("mtp", target.config, mask_token_id=255)
+    save_drafter(new_drafter(mtp), mtp, tmp_path / "mtp")
+    causal = new_config("dspark", target.config, mask_token_id=255, causal_block=True, rank=8)
+    save_drafter(new_drafter(causal), causal, tmp_path / "causal")
+    for name in (f"{tmp_path / 'causal'}+{tmp_path / 'mtp'}", f"{tmp_path / 'causal'}+suffix"):
+        with pytest.raises(ValueError, match="joins two drafters"):
+            export(name, str(TARGET), "speculators", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
+
+
 def test_eagle3_in_the_published_layout_exports_to_speculators(tmp_path):
     """An original EAGLE-3 checkpoint converted to speculators' eagle3 (what vLLM serves)."""
     target = ROOT / "target_llama"

@@ -19,7 +19,9 @@ WRITERS = {"deepspec": deepspec.write, "speculators": speculators.write}
 
 
 def export(drafter_name: str, model: str | None, fmt: str, out_dir: str, verifier: str | None = None) -> Path:
+    from dspark.drafters.pair import PairedDrafter
     from dspark.drafters.registry import load_drafter
+    from dspark.drafters.route import RoutedDrafter
     from dspark.models.loader import load_target, resolve_model_path
 
     if fmt not in WRITERS:
@@ -27,6 +29,8 @@ def export(drafter_name: str, model: str | None, fmt: str, out_dir: str, verifie
     path = resolve_model_path(model)
     target = load_target(path)
     drafter = load_drafter(drafter_name, path, target.config)
+    if isinstance(drafter, PairedDrafter | RoutedDrafter):
+        raise ValueError(f"{drafter_name!r} joins two drafters and a checkpoint holds one: export each on its own")
     drafter.bind(target, num_blocks=1, block_size=16)  # checks the pair; the export reads weights only
     out = WRITERS[fmt](drafter, target, Path(out_dir))
     if fmt == "speculators":

@@ -91,6 +91,21 @@ def test_a_pair_that_cannot_cut_or_names_a_copy_drafter_is_refused(qwen3_dir, tm
     assert not isinstance(load_drafter(str(odd), qwen3_dir, net.config, mask), PairedDrafter)
 
 
+def test_the_training_tools_refuse_a_pair_with_a_reason(qwen3_dir, tmp_path):
+    from dspark.train.drafter import DrafterTrainConfig, initial_drafter
+    from dspark.train.eval_drafter import load_against
+
+    net, tok = load_model(qwen3_dir)
+    for part, name in zip(parts(net, tok), ("deep", "one"), strict=True):
+        save_drafter(part, part.config, tmp_path / name)
+    pair = f"{tmp_path / 'deep'}+{tmp_path / 'one'}"
+    assert isinstance(load_drafter(pair, None, net.config), PairedDrafter)
+    with pytest.raises(ValueError, match="not one drafter"):
+        load_against(pair, net, DrafterTrainConfig())
+    with pytest.raises(ValueError, match="not one drafter"):
+        initial_drafter(DrafterTrainConfig(init_from=pair), net.config)
+
+
 def test_sampled_output_follows_the_target_with_a_pair(small_vocab):  # noqa: F811
     p = exact_joint(small_vocab)
     counts, by = sampled_joint(paired(small_vocab, "static:1", max_num_seqs=128, max_num_batched_tokens=2048))

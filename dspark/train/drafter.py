@@ -301,6 +301,9 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     from dspark.drafters.registry import load_drafter
 
     drafter = load_drafter(cfg.init_from)
+    if not isinstance(drafter, torch.nn.Module):
+        raise ValueError(f"init_from {cfg.init_from!r} is not one drafter with weights (a pair or a routed name "
+                         "joins two): name a drafter directory")
     dcfg, before = drafter.config, {k: v.shape for k, v in drafter.state_dict().items()}
     if dcfg.kind != cfg.kind:
         raise ValueError(f"init_from holds a {dcfg.kind!r} drafter, not {cfg.kind!r}")

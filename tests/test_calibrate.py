@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from dspark.drafters.base import save_drafter
@@ -125,6 +126,16 @@ def test_calibrate_without_writing_says_so_and_leaves_the_config(qwen3_dir, tmp_
     report = (tmp_path / "out" / "calibration.md").read_text()
     assert "Not written (--no-write); the choice: Written:" in report
     assert json.loads((tmp_path / "out" / "calibration.json").read_text())["written"] is None
+
+
+def test_calibrate_refuses_what_is_not_a_drafter_directory_before_any_rollout(qwen3_dir, tmp_path):
+    """A pair, a routed name or a missing path: a clear error first, no engine built, nothing written."""
+    from dspark.train.calibrate import calibrate
+
+    for name in ("dspark+mtp", "auto", str(tmp_path / "missing")):
+        with pytest.raises(ValueError, match="not a drafter directory"):
+            calibrate(str(qwen3_dir), name, ["The quick brown fox", "def add(a, b):"], str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
 
 
 def test_temperatures_in_use_that_score_best_are_kept():

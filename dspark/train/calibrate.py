@@ -122,6 +122,9 @@ def calibrate(model: str | None, drafter_dir: str, prompts: list[str], out_dir: 
               temperature: float = 1.0, write: bool = True) -> Calibration:
     if len(prompts) < 2:
         raise ValueError("calibration needs at least 2 prompts (half to fit, half to report on)")
+    if not (Path(drafter_dir) / "config.json").is_file():  # before the rollouts, which take minutes
+        raise ValueError(f"{drafter_dir!r} is not a drafter directory (config.json): calibration reads and writes the "
+                         "temperatures of one drafter's checkpoint")
     engine = rollout_engine(model, drafter_dir)
     logits, accepted = collect(engine, prompts[::2], max_tokens, temperature)
     held = collect(engine, prompts[1::2], max_tokens, temperature, seed=len(prompts))

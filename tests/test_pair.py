@@ -83,6 +83,8 @@ def test_a_pair_that_cannot_cut_or_names_a_copy_drafter_is_refused(qwen3_dir, tm
     whole = new_drafter(new_config("dspark", net.config, mask))  # a bidirectional block runs whole
     with pytest.raises(ValueError, match="bidirectional"):
         PairedDrafter(whole, new_drafter(new_config("mtp", net.config, mask)))
+    with pytest.raises(ValueError, match="name it second"):
+        PairedDrafter(*reversed(parts(net, tok)))  # MTP-1 first: it has no deeper blocks to propose
     with pytest.raises(ValueError, match="copy drafter"):
         load_drafter("dspark+ngram", qwen3_dir, net.config, mask)
     odd = tmp_path / "dspark+v2"  # a checkpoint directory whose name holds a '+' is a directory, not a pair

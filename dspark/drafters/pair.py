@@ -55,6 +55,9 @@ class PairedDrafter(Drafter):
             if not part.cuts_exactly:
                 raise ValueError(f"a pair needs drafters whose first positions do not depend on the depth asked; the "
                                  f"{part.config.kind} drafter's block runs whole (a bidirectional block)")
+        if deep.gamma < 2:
+            raise ValueError(f"the first drafter of a pair proposes the blocks of two or more positions; the "
+                             f"{deep.config.kind} drafter proposes {deep.gamma} (name it second: DEEP+ONE)")
         self.deep, self.shallow = deep, shallow
         self.union = tuple(sorted(set(deep.taps) | set(shallow.taps)))  # -1 (the embeddings) first, as tapped
         self.parts = ((deep, columns(self.union, deep.taps)), (shallow, columns(self.union, shallow.taps)))

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dspark.config import ModelConfig
 from dspark.drafters.base import KINDS, Drafter, DrafterConfig
+from dspark.drafters.neural import NeuralDrafter
 
 GAMMA = {"dspark": 7, "dflash": 7, "eagle3": 7, "mtp": 1, "ngram": 7, "suffix": 7}
 WEIGHT_FREE = ("ngram", "suffix")
@@ -140,4 +141,14 @@ def load_drafter(name: str, model_dir: Path | None = None, target: ModelConfig |
         from safetensors.torch import load_file
 
         drafter.load_state_dict(load_file(str(weights)))  # type: ignore[attr-defined]
+    return drafter
+
+
+def load_one(name: str, model_dir: Path | None = None, target: ModelConfig | None = None) -> NeuralDrafter:
+    """`load_drafter` for the tools that read or write one drafter's weights (export, evaluation, a further training
+    stage): a pair or a routed name joins two drafters and n-gram and suffix have none, so each is refused."""
+    drafter = load_drafter(name, model_dir, target)
+    if not isinstance(drafter, NeuralDrafter):
+        raise ValueError(f"{name!r} is not one drafter with weights (a pair or a routed name joins two drafters; n-gram "
+                         "and suffix have none): name a drafter directory")
     return drafter

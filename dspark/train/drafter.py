@@ -298,12 +298,9 @@ def initial_drafter(cfg: DrafterTrainConfig, target_config):
     `cfg.taps` moves it to other target layers (as many as it reads), e.g. onto a target grown
     deeper (`train.target.deepen`: tiny's layer i is the grown model's layer 4i + 3); `num_layers`,
     `context_residual`, `anchor_mlp`, `slot_mlp`, `head` and `rank` grow it into another shape (`train/surgery.py`)."""
-    from dspark.drafters.registry import load_drafter
+    from dspark.drafters.registry import load_one
 
-    drafter = load_drafter(cfg.init_from)
-    if not isinstance(drafter, torch.nn.Module):
-        raise ValueError(f"init_from {cfg.init_from!r} is not one drafter with weights (a pair or a routed name "
-                         "joins two): name a drafter directory")
+    drafter = load_one(cfg.init_from)
     dcfg, before = drafter.config, {k: v.shape for k, v in drafter.state_dict().items()}
     if dcfg.kind != cfg.kind:
         raise ValueError(f"init_from holds a {dcfg.kind!r} drafter, not {cfg.kind!r}")

@@ -35,13 +35,9 @@ from dspark.train.drafter import (
 def load_against(path: str, target, cfg: DrafterTrainConfig):
     """The saved drafter at `path` in float32 on the training device, checked against and reading `target`."""
     from dspark.drafters.neural import check_compatible
-    from dspark.drafters.registry import load_drafter
+    from dspark.drafters.registry import load_one
 
-    drafter = load_drafter(path)
-    if not isinstance(drafter, torch.nn.Module):
-        raise ValueError(f"{path!r} is not one drafter with weights (a pair or a routed name joins two; n-gram and "
-                         "suffix have none): name a drafter directory")
-    drafter = drafter.float().to(train_device(cfg))
+    drafter = load_one(path).float().to(train_device(cfg))
     check_compatible(drafter.config, target)
     drafter._target = [target]  # type: ignore[attr-defined]
     return drafter

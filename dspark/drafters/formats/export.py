@@ -19,18 +19,14 @@ WRITERS = {"deepspec": deepspec.write, "speculators": speculators.write}
 
 
 def export(drafter_name: str, model: str | None, fmt: str, out_dir: str, verifier: str | None = None) -> Path:
-    from dspark.drafters.pair import PairedDrafter
-    from dspark.drafters.registry import load_drafter
-    from dspark.drafters.route import RoutedDrafter
+    from dspark.drafters.registry import load_one
     from dspark.models.loader import load_target, resolve_model_path
 
     if fmt not in WRITERS:
         raise ValueError(f"unknown export format {fmt!r}; expected one of {sorted(WRITERS)}")
     path = resolve_model_path(model)
     target = load_target(path)
-    drafter = load_drafter(drafter_name, path, target.config)
-    if isinstance(drafter, PairedDrafter | RoutedDrafter):
-        raise ValueError(f"{drafter_name!r} joins two drafters and a checkpoint holds one: export each on its own")
+    drafter = load_one(drafter_name, path, target.config)
     drafter.bind(target, num_blocks=1, block_size=16)  # checks the pair; the export reads weights only
     out = WRITERS[fmt](drafter, target, Path(out_dir))
     if fmt == "speculators":

@@ -10,7 +10,7 @@ import torch
 
 from dspark.config import EngineConfig
 from dspark.drafters.base import ContextRow, ProposeInput, save_drafter
-from dspark.drafters.pair import PairedDrafter
+from dspark.drafters.pair import PairedDrafter, own_columns
 from dspark.drafters.registry import load_drafter, new_config, new_drafter
 from dspark.engine.factory import assemble
 from dspark.engine.gate import GateConfig
@@ -75,6 +75,16 @@ def test_each_part_reads_its_own_taps_and_proposes_as_it_would_alone(qwen3_dir):
     assert all(len(w) == 1 for w in pair.waiting.values())
     pair.free("r")
     assert pair.cache_bytes_in_use() == 0 and not any(pair.waiting.values())
+
+
+def test_own_columns_cuts_side_by_side_and_scattered_taps():
+    """A part's columns of a row that carries four tapped layers of width 3: a run of columns and a scattered set."""
+    feats = torch.arange(24.0).view(2, 12)
+    row = ContextRow("r", 5, [1, 2], feats)
+    assert torch.equal(own_columns(row, [1, 2], 4).features, feats[:, 3:9])
+    assert torch.equal(own_columns(row, [0, 3], 4).features, torch.cat([feats[:, 0:3], feats[:, 9:12]], dim=1))
+    assert torch.equal(own_columns(row, [2, 0], 4).features, torch.cat([feats[:, 6:9], feats[:, 0:3]], dim=1))
+    assert own_columns(row, [0, 1, 2, 3], 4) is row
 
 
 def test_a_pair_that_cannot_cut_or_names_a_copy_drafter_is_refused(qwen3_dir, tmp_path):

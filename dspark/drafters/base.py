@@ -273,7 +273,9 @@ class Waiting:
         merged = []
         for sid in seq_ids:
             rows = self.rows.pop(sid, [])
-            if rows:
+            if len(rows) == 1:
+                merged.append(rows[0])
+            elif rows:
                 feats = [r.features for r in rows]
                 merged.append(ContextRow(sid, rows[0].start, [t for r in rows for t in r.token_ids],
                                          None if feats[0] is None else torch.cat(feats)))

@@ -113,12 +113,13 @@ class PairedDrafter(Drafter):
             part.bind(target, num_blocks, block_size)
 
     def extend(self, rows: Sequence[ContextRow]) -> None:
-        for part, cols in self.parts:
-            self.waiting[id(part)].add([own_columns(r, cols, len(self.union)) for r in rows])
+        for part, _ in self.parts:  # each part's columns are cut when it takes them (a part that never drafts: never)
+            self.waiting[id(part)].add(rows)
 
     def propose(self, inputs: Sequence[ProposeInput], rows: SamplingRows, depth: int | None = None) -> DraftBlock:
-        part = self.shallow if depth == 1 and self.gamma > 1 else self.deep
-        part.extend(self.waiting[id(part)].take([i.seq_id for i in inputs]))  # what it missed while the other drafted
+        part, cols = self.parts[1] if depth == 1 and self.gamma > 1 else self.parts[0]
+        missed = self.waiting[id(part)].take([i.seq_id for i in inputs])  # what it missed while the other drafted
+        part.extend([own_columns(r, cols, len(self.union)) for r in missed])
         block = widened(part.propose(inputs, rows, depth), self.gamma)
         block.sources = [part.config.kind] * len(inputs)
         return block
@@ -136,6 +137,9 @@ def own_columns(row: ContextRow, cols: Sequence[int], width: int) -> ContextRow:
     """row with only the features of these taps (of `width` tapped layers side by side)."""
     if row.features is None or len(cols) == width:
         return row
-    n = row.features.shape[0]
-    feats = row.features.view(n, width, -1)[:, list(cols)].reshape(n, -1)
+    n, size = row.features.shape[0], row.features.shape[1] // width
+    if list(cols) == list(range(cols[0], cols[-1] + 1)):  # side by side already: one slice
+        feats = row.features[:, cols[0] * size : (cols[-1] + 1) * size].contiguous()
+    else:
+        feats = row.features.view(n, width, size)[:, list(cols)].reshape(n, -1)
     return ContextRow(row.seq_id, row.start, row.token_ids, feats)

@@ -14,9 +14,9 @@ Both drafters read their own target layers: the target taps the union of the two
 context rows carry its own columns. A part receives a request's context when it next drafts for it (the rows wait
 here, as the engine's own wait for a drafting step), so a step drafted by one part does no work for the other.
 
-Measured on an AVX2 CPU (`docs/results/avx2/online/pair/`): ahead of the DSpark drafter alone at 16 requests, level
-at 64, behind at 4 and at times at one: the gate's acceptance record is shared by the two parts, and rounds of one
-position teach it nothing about the deeper ones. Not the default.
+Measured side by side with the DSpark drafter alone (`docs/results/online/pair/`, `docs/results/avx2/online/pair/`):
+ahead at 16 requests on both CPUs, level at 64, behind at 4: the gate's acceptance record is shared by the two parts,
+and rounds of one position teach it nothing about the deeper ones. Not the default.
 Each block is verified against the distribution it was drawn from (the one-position drafter's has no confidence
 head: the policy reads the observed acceptance there), so the output distribution is the target's.
 """

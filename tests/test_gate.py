@@ -481,6 +481,25 @@ def test_under_load_a_probe_drafts_one_position_for_every_request():
     assert broad.step_depth(5, None) == 4
 
 
+def test_a_one_position_drafter_probes_every_request_under_load():
+    """A drafter whose block is one position (MTP-1) has no depth to pick, and a probe of that position for every
+    request is its whole block: under load it probes broadly, priced so; among as few requests as a narrow probe
+    takes, it drafts for them."""
+    prof = StepProfile("test", tokens=[1, 8, 64, 512], verify_s=[0.010, 0.011, 0.030, 0.120], requests=[1, 64],
+                       draft_s=[0.001, 0.004], gamma=1)
+    rejected = AcceptanceStats(1)
+    for _ in range(50):
+        rejected.update([1], [0])
+    gate = Gate(GateConfig(probe_requests=2), rejected, prof, cuts=True)
+    decode = list("abcde")
+    assert not gate.picks_depth and gate.broad(5) and gate.probe_subset(decode, 3) == decode
+    assert gate.probe_depth(5) == 1 and not gate.broad(2) and gate.probe_subset(decode[:2], 1) == ["a", "b"]
+    plain = prof.plain(64)
+    assert gate.probe_cost(64) == pytest.approx((prof.cost(64, 128, 1, rows=64) - plain) / plain)
+    wide = Gate(GateConfig(probe_requests=2), stats(accept=False), loaded_profile(shallow=False), cuts=True)
+    assert not wide.broad(5)  # a block of four positions, none cut: a narrow probe of the whole block
+
+
 def test_probes_priced_by_what_they_were_measured_to_cost():
     """The profile prices a probe at 0.1 plain steps (at least 5 steps apart at a 2% explore budget); one
     measured at 3 plain steps beyond a plain one stretches the wait to 3 / 2% = 150 steps, and the

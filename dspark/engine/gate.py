@@ -226,7 +226,7 @@ class Gate:
         it ran 1.04-1.07x plain (docs/results/online/gate-cut/); one broad probe observes it for every request, in
         the shape an open gate drafts. A drafter of one position (MTP-1) probes so too: its whole block is that
         position. Narrow, MTP-1's gate at 16 requests started on a warm-up's low estimate (0.25 against the 0.57 it
-        was accepted) and stayed closed through the run, 8% behind drafting it on every step."""
+        was accepted) and stayed closed through the run, 7% behind drafting it on every step."""
         return (self.picks_depth or self.stats.gamma == 1) and num_requests > self.cfg.probe_requests
 
     @property

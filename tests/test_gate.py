@@ -500,29 +500,6 @@ def test_a_one_position_drafter_probes_every_request_under_load():
     assert not wide.broad(5)  # a block of four positions, none cut: a narrow probe of the whole block
 
 
-def one_position(accept: bool, rounds: int = 200) -> AcceptanceStats:
-    s = AcceptanceStats(1)
-    for _ in range(rounds):
-        s.update([1], [int(accept)])
-    return s
-
-
-def test_one_position_rounds_on_their_own_path_are_judged_by_their_own_record():
-    """A drafter whose one-position proposals take their own path (a pair, an early exit) keeps their record apart
-    (`exit_stats`): depth 1 is priced on it, the depths from two on on the shared one. The same shared record gives
-    depth 1 at 16 requests; with the one-position path always rejected the gate drafts two positions of the block,
-    and with it always accepted it drafts one position at 4 requests, where the shared record alone drafts two."""
-    def depth(requests: int, exit_stats: AcceptanceStats | None) -> int:
-        return Gate(GateConfig(optimism=0.0), half_accepted(), loaded_profile(), exit_stats=exit_stats).predict(
-            requests, [GAMMA] * requests)
-
-    assert depth(16, None) == 1 and depth(16, one_position(accept=False)) == 2
-    assert depth(4, None) == 2 and depth(4, one_position(accept=True)) == 1
-    gate = Gate(GateConfig(), half_accepted(), loaded_profile(), exit_stats=one_position(accept=False))
-    assert gate.snapshot(False)["exit_acceptance"] < 0.05 and "exit_acceptance" not in Gate(
-        GateConfig(), half_accepted(), loaded_profile()).snapshot(False)
-
-
 def test_probes_priced_by_what_they_were_measured_to_cost():
     """The profile prices a probe at 0.1 plain steps (at least 5 steps apart at a 2% explore budget); one
     measured at 3 plain steps beyond a plain one stretches the wait to 3 / 2% = 150 steps, and the

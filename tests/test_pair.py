@@ -29,11 +29,11 @@ def parts(net, tok, **over):
     return deep, new_drafter(new_config("mtp", net.config, mask))
 
 
-def paired(path, policy: str, gate: GateConfig | None = None, **kw):
+def paired(path, policy: str, **kw):
     net, tok = load_model(path)
     cfg = EngineConfig(**{"device": "cpu", "block_size": 4, "max_num_batched_tokens": 96, **kw})
     return assemble(net, tok, cfg, drafter=PairedDrafter(*parts(net, tok)), policy=policy,
-                    gate=gate or GateConfig(enabled=False))
+                    gate=GateConfig(enabled=False))
 
 
 @pytest.mark.parametrize("policy", ["static:1", "static:3", "static:7", "threshold:0.3", "dspark"])
@@ -45,18 +45,6 @@ def test_greedy_identical_and_each_depth_drafted_by_its_part(qwen3_dir, policy):
     assert engine.drafter.cache_bytes_in_use() == 0 and not any(engine.drafter.waiting.values())
     drafted = {k for o in outs for k, n in o.stats["draft_tokens_by"].items() if n}
     assert drafted == ({"mtp"} if policy == "static:1" else {"dspark"}), drafted
-
-
-def test_one_position_rounds_keep_a_record_of_their_own(qwen3_dir):
-    """The cheap part's rounds feed the one-position record (`exit_stats`), the block's the shared one; with
-    `split=0` both feed the shared record, as before."""
-    one, block = paired(qwen3_dir, "static:1"), paired(qwen3_dir, "static:3")
-    run(one), run(block)
-    assert one.runner.exit_stats.total_tried[0] > 0 and one.runner.stats.total_tried[0] == 0
-    assert block.runner.exit_stats.total_tried[0] == 0 and block.runner.stats.total_tried[0] > 0
-    shared = paired(qwen3_dir, "static:1", gate=GateConfig(enabled=False, split=False))
-    run(shared)
-    assert shared.runner.exit_stats is None and shared.runner.stats.total_tried[0] > 0
 
 
 def test_each_part_reads_its_own_taps_and_proposes_as_it_would_alone(qwen3_dir):

@@ -93,11 +93,6 @@ class GateConfig:
     # and a deep proposal for many requests costs more than the profile's line between one position and the full
     # block. Preferring the deeper within 2% drafted 4-7 positions at 16 requests (mixed, lockstep, dspark-small),
     # and its drafted steps emitted fewer tokens per second than one position for every request
-    split: bool = True  # a drafter whose one-position proposals take a path of their own (`Drafter.exits`: a pair,
-    # an early exit) keeps their acceptance in a record of its own (`Gate.exit_stats`), which prices depth 1, the
-    # shared record pricing the depths from two on. Shared, a pair's cheap one-position rounds that failed lowered
-    # the first position's estimate for the block too, and the gate drafted one position all the more: at four
-    # requests on dspark-small its one-position rounds emitted 197 tok/s where its two-position ones emitted 275
     optimism: float = 1.0  # standard errors added to the estimates before judging (divided by R in a
     # batch of R), so a verdict on few observations leans to drafting and the bonus fades with
     # evidence. At 0, the README's first command (a fresh engine, one request) closed after two
@@ -144,13 +139,10 @@ class Gate:
     given its costly drafter (the copy drafter costs about nothing), not for all of them.
     """
 
-    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None, cuts: bool = True,
-                 exit_stats: AcceptanceStats | None = None) -> None:
+    def __init__(self, cfg: GateConfig, stats: AcceptanceStats, profile: StepProfile | None, cuts: bool = True) -> None:
         """cuts: whether the drafter proposes fewer positions when asked (`Drafter.cuts_exactly`); with `cut`, and a
-        profile that prices a shallower proposal, the gate then picks the depth. exit_stats: the record of
-        one-position rounds where they take a path of their own (`GateConfig.split`; None: `stats` holds them)."""
+        profile that prices a shallower proposal, the gate then picks the depth."""
         self.cfg, self.stats, self.profile = cfg, stats, profile
-        self.exit_stats = exit_stats
         self.cuts = cuts
         self.wait, self.interval = 0, cfg.probe_every
         self.probing = False
@@ -173,7 +165,6 @@ class Gate:
                 "next_probe": None if self.open else max(0, self.interval - self.wait),
                 "probe_extra": None if self.probe_extra is None else round(self.probe_extra, 4),
                 "acceptance": [round(c, 4) for c in self.stats.conditional()],
-                **({"exit_acceptance": round(self.exit_stats.conditional()[0], 4)} if self.exit_stats else {}),
                 "scales": {k: round(getattr(self.profile, f"{k}_scale"), 4) for k in ("verify", "plain", "spec")}}
 
     def observe_share(self, drafted: int, requests: int) -> None:
@@ -305,8 +296,7 @@ class Gate:
 
     def pays(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> Verdict:
         """The verdict (`decide`), remembered for a few steps."""
-        key = (num_requests, tuple(caps), self.stats.version, self.exit_stats and self.exit_stats.version,
-               tuple(map(id, own)), self.sampled)  # records change with version
+        key = (num_requests, tuple(caps), self.stats.version, tuple(map(id, own)), self.sampled)  # records change with version
         if self.memo is not None and self.memo[0] == key and self.memo[1] < self.cfg.recheck_every:
             self.memo = (key, self.memo[1] + 1, self.memo[2])
             return self.memo[2]
@@ -320,7 +310,8 @@ class Gate:
         there is enough to be cautious about. Exploring costs a drafted step for all R requests
         and a wrong close costs one request's speed-up: the bonus on every row drafted hostile
         prompts on 20% of the steps at 16 requests, 0.95-0.96x plain; at face value 0.98x."""
-        z = self.z(self.stats, num_requests)
+        judging = self.stats.total_tried[0] >= self.cfg.judge_after
+        z = (self.cfg.caution if judging else 0.0) - self.cfg.optimism / max(1, num_requests)
         shared = self.stats.lower(z)
         if not own:
             return torch.tensor([shared] * num_requests, dtype=torch.float64)
@@ -337,20 +328,6 @@ class Gate:
             rows.append(row)
         return torch.tensor(rows, dtype=torch.float64)
 
-    def z(self, record: AcceptanceStats, num_requests: int) -> float:
-        """Standard errors taken off a record's estimates (`estimates`): caution once it holds judge_after first
-        positions, less the optimism bonus."""
-        judging = record.total_tried[0] >= self.cfg.judge_after
-        return (self.cfg.caution if judging else 0.0) - self.cfg.optimism / max(1, num_requests)
-
-    def exit_estimates(self, est: torch.Tensor, num_requests: int) -> torch.Tensor | None:
-        """`est` with the first position taken from the one-position path's own record (None: no such record)."""
-        if self.exit_stats is None:
-            return None
-        one = est.clone()
-        one[:, 0] = self.exit_stats.lower(self.z(self.exit_stats, num_requests))[0]
-        return one
-
     def predict(self, num_requests: int, caps: Sequence[int], own: Sequence[AcceptanceStats | None] = ()) -> int:
         """The depth `decide` drafts at (0: drafting does not pay)."""
         return self.decide(num_requests, caps, own).depth
@@ -364,19 +341,15 @@ class Gate:
         and one that could not even then is not. A deeper block must win by `depth_margin`."""
         assert self.profile is not None
         deepest = max(caps, default=0)
-        est = self.estimates(num_requests, own)
-        cands = candidates(est, caps)
-        exits = self.exit_estimates(est, num_requests)
-        cands_one = cands if exits is None else candidates(exits, caps)  # depth 1 on its own path's record
+        cands = candidates(self.estimates(num_requests, own), caps)
         rank = ranks(cands, num_requests) if self.cfg.select else [0] * num_requests
         sizes = ladder(num_requests) if self.cfg.select else [num_requests]
         plain = num_requests / self.profile.plain(num_requests)
         verified: dict[int, float] = {}  # verify(b), shared by every walk of this decision
         best_at: dict[int, tuple[float, int]] = {}  # depth -> (rate, m) of its best subset size
         for d in (range(1, deepest + 1) if self.picks_depth else [deepest]):
-            pool = cands_one if d == 1 else cands
             for m in sizes:
-                v = self.rate(num_requests, m, (c for c in pool if c.position <= d and rank[c.request] < m), d,
+                v = self.rate(num_requests, m, (c for c in cands if c.position <= d and rank[c.request] < m), d,
                               verified)
                 if d not in best_at or v > best_at[d][0]:
                     best_at[d] = (v, m)

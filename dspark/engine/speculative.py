@@ -42,11 +42,8 @@ class SpeculativeRunner:
         self.stats = AcceptanceStats(self.gamma)
         self.own: dict[str, AcceptanceStats] = {}  # each request's own record, for the gate (keeps_records)
         use_gate = (gate or GateConfig()).enabled and policy.needs_cost
-        # one-position rounds on a path of their own (a pair's cheap drafter, an early exit) keep their own record
-        split = (gate or GateConfig()).split and drafter.exits and self.gamma > 1
-        self.exit_stats = AcceptanceStats(1) if split else None
-        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, self.profile, drafter.cuts_exactly,
-                         self.exit_stats) if use_gate else None
+        self.gate = Gate(gate or GateConfig(enabled=use_gate), self.stats, self.profile, drafter.cuts_exactly) \
+            if use_gate else None
         self.device = base.device
         self.steps = self.drafted_steps = 0
         self.pending = PendingContext()
@@ -123,7 +120,7 @@ class SpeculativeRunner:
         result.num_forward_tokens = batch.num_tokens
         self.base.sample_plain(result, plain, batch, out)
         if decode:
-            self._verify(result, decode, block, lengths, batch, out, len(plain), depth)
+            self._verify(result, decode, block, lengths, batch, out, len(plain))
         self._commit_context(result, [*plain, *decode], batch, out)
         result.times["accept"] = time.perf_counter() - t2
         drafted = len(decode) if block is None or block.num_drafted is None else block.num_drafted
@@ -160,7 +157,7 @@ class SpeculativeRunner:
             caps = [min(c, v) for c, v in zip(caps, block.num_valid, strict=True)]
         conf = block.confidence
         if conf is None:
-            conf = torch.tensor([self.record(depth).conditional()[:1] + self.stats.conditional()[1:]] * len(caps))
+            conf = torch.tensor([self.stats.conditional()] * len(caps))
         profile, drafted = self.profile, block.num_drafted
         cost = (lambda r, b: 1.0) if profile is None else lambda r, b: profile.cost(r, b, depth, sampled, rows)  # noqa: E731
         if drafted is not None and profile is not None:  # a router ran its costly drafter for these requests only
@@ -175,13 +172,7 @@ class SpeculativeRunner:
         req, ell = s.request, len(drafts)
         return BatchRow(req.request_id, [req.all_ids[-1], *drafts], req.num_computed + 1 + ell, 1 + ell)
 
-    def record(self, depth: int | None) -> AcceptanceStats:
-        """The acceptance record a round of this depth reads and feeds: the one-position path's own where it has one
-        (`exit_stats`), else the shared one."""
-        return self.exit_stats if depth == 1 and self.exit_stats is not None else self.stats
-
-    def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int,
-                depth: int | None = None) -> None:
+    def _verify(self, result, decode, block: DraftBlock, lengths, batch, out, n_plain: int) -> None:
         reqs = [s.request for s in decode]
         g = self.gamma
         logits = out.logits[batch.cu_logits[n_plain] :]  # verify rows come last: 1 + l_r logits per request
@@ -201,10 +192,9 @@ class SpeculativeRunner:
                 result.logprobs[r.request_id] = token_logprobs(logits[offsets[i] : offsets[i] + n + 1], emitted,
                                                                r.params.logprobs)
         if any(lengths):
-            record = self.record(depth)
-            record.update(lengths, verdict.num_accepted)
+            self.stats.update(lengths, verdict.num_accepted)
             for r, ell, n in zip(reqs, lengths, verdict.num_accepted, strict=True):
-                if ell and self.keeps_records and record is self.stats:  # a request's own record: the shared path
+                if ell and self.keeps_records:
                     self.own.setdefault(r.request_id, AcceptanceStats(self.gamma)).update([ell], [n])
         if self.recorder is not None and block.confidence_logits is not None:
             self.recorder.append((block.confidence_logits.float().cpu(), list(lengths), list(verdict.num_accepted)))

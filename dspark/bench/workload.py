@@ -175,10 +175,9 @@ def drafter_gamma(name: str, model_dir: Path) -> int | None:
     name = split_drafter(name)[0]
     if name in WEIGHT_FREE:
         return GAMMA[name]
-    if routed_parts(name) is not None:
-        return drafter_gamma(routed_parts(name), model_dir)  # type: ignore[arg-type]
-    pair = paired_parts(name)
-    if pair is not None:  # the deep drafter's block, where both parts are there
+    if (neural := routed_parts(name)) is not None:
+        return drafter_gamma(neural, model_dir)
+    if (pair := paired_parts(name)) is not None:  # the deep drafter's block, where both parts are there
         deep, one = (drafter_gamma(p, model_dir) for p in pair)
         return None if one is None else deep
     cfg = drafter_config_path(name, model_dir)
@@ -193,8 +192,8 @@ def drafter_kind(name: str, model_dir: Path) -> str:
         return name
     if routed_parts(name) is not None:
         return "auto"
-    if paired_parts(name) is not None:
-        return drafter_kind(paired_parts(name)[0], model_dir)  # type: ignore[index]
+    if (pair := paired_parts(name)) is not None:
+        return drafter_kind(pair[0], model_dir)
     cfg = drafter_config_path(name, model_dir)
     return name if cfg is None else str(json.loads(cfg.read_text()).get("kind", name))
 

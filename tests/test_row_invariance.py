@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dspark.engine.batch import BatchRow
+from dspark.models import decoder
 from dspark.models.attention import AttentionMetadata, group_attention
 from tests.test_spec_engine import PROMPTS, engine_for, run
 
@@ -116,3 +117,42 @@ def test_an_engine_runs_one_scratch_forward_once_built_and_keeps_none_of_it(qwen
     assert engine.kv.pool.num_used_blocks == 0
     run(engine, PROMPTS[:2])
     assert all(WARM_ID not in ids for ids in seen[1:]) and len(seen) > 1
+
+
+@pytest.mark.parametrize("kind", ["dspark", "eagle3", "mtp"])
+def test_the_targets_attention_stays_row_invariant_and_a_drafters_may_fuse(qwen3_dir, monkeypatch, kind):
+    """Every attention over the target's cache reads invariant metadata (each row computed as it is alone: the
+    lossless guarantee rests on it); every attention over a neural drafter's cache reads metadata that lets
+    bfloat16 attention run as one fused kernel (a proposal only decides what the target verifies)."""
+    seen: list[tuple[int, bool]] = []
+    real = decoder.paged_attention
+
+    def spy(q, k, v, k_cache, v_cache, meta):
+        seen.append((k_cache.data_ptr(), meta.invariant))
+        return real(q, k, v, k_cache, v_cache, meta)
+
+    monkeypatch.setattr(decoder, "paged_attention", spy)
+    engine = engine_for(qwen3_dir, kind, "static:3", dtype="bfloat16")
+    run(engine, PROMPTS[:2])
+    target = {kc.data_ptr() for kc, _ in engine.kv.layers}
+    drafter = {kc.data_ptr() for kc, _ in engine.drafter.cache.layers}
+    assert {inv for ptr, inv in seen if ptr in target} == {True}
+    assert {inv for ptr, inv in seen if ptr in drafter} == {False}
+    assert all(ptr in target | drafter for ptr, _ in seen)
+
+
+def test_fused_attention_gives_what_the_written_out_products_give_up_to_rounding():
+    """A drafter's fused attention (invariant=False) against the written-out one, bfloat16, over grids with
+    padded query rows and a causal block: the same up to bfloat16 rounding, and no NaN in a padded row."""
+    gen = torch.Generator().manual_seed(5)
+    kv_heads, heads, dim, bs = 2, 4, 64, 16
+    k_cache, v_cache = (torch.randn(kv_heads, 512, dim, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(40, heads, dim, generator=gen).bfloat16()
+    tables = [list(range(0, 16)), list(range(16, 32))]
+    meta = AttentionMetadata.build([7, 3], [100, 203], tables, bs, "cpu", invariant=False)
+    assert not meta.invariant
+    for group in meta.groups:
+        exact = group_attention(q, k_cache, v_cache, group, bs)
+        fused = group_attention(q, k_cache, v_cache, group, bs, invariant=False)
+        assert torch.isfinite(fused.float()).all()
+        assert (exact.float() - fused.float()).abs().max().item() < 3e-2

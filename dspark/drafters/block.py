@@ -116,7 +116,7 @@ class BlockDrafter(NeuralDrafter):
             meta = AttentionMetadata.build(
                 [g] * len(inputs), [i.context_len + g for i in inputs],
                 [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev,
-                causal=self.config.causal_block,
+                causal=self.config.causal_block, invariant=False,
             )
             anchors = upload([i.anchor for i in inputs], dev)
             last = self.last_context(inputs)

@@ -130,7 +130,8 @@ class Eagle3Drafter(NeuralDrafter):
                 for i in inputs:
                     self.pool.append(i.seq_id, 1)
                 meta = AttentionMetadata.build([1] * len(inputs), [i.context_len + k for i in inputs],
-                                               [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev)
+                                               [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev,
+                                               invariant=False)
                 cos, sin = self.rotary.cos_sin(meta.positions, g.dtype)
                 g = self.layer(self.embed(prev), g, cos, sin, meta, self.cache.layers[0])  # [R, d]
                 prev, p = self.draw(self.lm_head(self.norm(g)), rows, gens)

@@ -88,7 +88,8 @@ class ShiftedDrafter(NeuralDrafter):
                 for i in inputs:
                     self.pool.append(i.seq_id, 1)
                 meta = AttentionMetadata.build([1] * len(inputs), [i.context_len + k + 1 for i in inputs],
-                                               [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev)
+                                               [self.pool.block_table(i.seq_id) for i in inputs], self.pool.block_size, dev,
+                                               invariant=False)
                 cos, sin = self.rotary.cos_sin(meta.positions, feat.dtype)
                 out = self.layer(self.entry(feat, prev), cos, sin, meta, self.cache.layers[0])  # [R, d]
                 prev, p = self.draw(self.lm_head(self.norm(out)), rows, gens)

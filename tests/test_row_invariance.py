@@ -14,7 +14,7 @@ import torch
 
 from dspark.engine.batch import BatchRow
 from dspark.models import decoder
-from dspark.models.attention import AttentionMetadata, group_attention
+from dspark.models.attention import FUSED_REQUESTS, AttentionMetadata, fuses, group_attention
 from tests.test_spec_engine import PROMPTS, engine_for, run
 
 
@@ -156,3 +156,18 @@ def test_fused_attention_gives_what_the_written_out_products_give_up_to_rounding
         fused = group_attention(q, k_cache, v_cache, group, bs, invariant=False)
         assert torch.isfinite(fused.float()).all()
         assert (exact.float() - fused.float()).abs().max().item() < 3e-2
+
+
+def test_a_drafters_attention_over_many_requests_stays_written_out_on_cpu():
+    """Over more than FUSED_REQUESTS requests the fused kernel ran slower on CPU than the written-out products
+    (`attention.fuses`): a drafter's attention there is the written-out one, bit for bit."""
+    gen = torch.Generator().manual_seed(6)
+    kv_heads, heads, dim, bs, n = 2, 4, 64, 16, FUSED_REQUESTS + 4
+    k_cache, v_cache = (torch.randn(kv_heads, 16 * 4 * n, dim, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(n, heads, dim, generator=gen).bfloat16()
+    tables = [list(range(4 * r, 4 * r + 4)) for r in range(n)]
+    exact = AttentionMetadata.build([1] * n, [30 + r for r in range(n)], tables, bs, "cpu").groups[0]
+    drafter = AttentionMetadata.build([1] * n, [30 + r for r in range(n)], tables, bs, "cpu", invariant=False).groups[0]
+    assert torch.equal(group_attention(q, k_cache, v_cache, exact, bs),
+                       group_attention(q, k_cache, v_cache, drafter, bs, invariant=False))
+    assert fuses(torch.zeros(kv_heads, FUSED_REQUESTS, 1, dim)) and not fuses(torch.zeros(kv_heads, n, 1, dim))

@@ -264,7 +264,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     the others are; tiles bound the scores held at once. A drafter's forward (invariant=False) keeps the fused
     kernel where it is faster (`fuses`): its proposals only decide what the target verifies."""
     if q.dtype == torch.float32 or (not invariant and fuses(q)):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
+        # the mask in the queries' dtype (0 and -inf are exact in any): older PyTorch refuses a float32 one there
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.dtype))
     h, r, m, d = q.shape
     kt, vb = k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)  # views: [Hkv*R, D, K], [Hkv*R, K, D]
     outs = []

@@ -53,15 +53,17 @@ class AttentionGroup:
             self.derived[key] = torch.cat([flat + h * num_blocks for h in range(heads)])
         return self.derived[key]
 
-    def grid_mask(self, rep: int) -> torch.Tensor:
+    def grid_mask(self, rep: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The mask with each KV head's `rep` query heads folded into the query axis [R, 1, rep*Q, K], as
-        float32 0 / -inf to add to scores. Derived once per step (every layer reads the same one; repeating
-        it in each layer cost ~1.5 ms of a 30 ms step)."""
-        if rep not in self.derived:
+        0 / -inf in `dtype` (exact in any) to add to scores: float32 for the written-out products, the queries'
+        dtype for the fused kernel (older PyTorch refuses a float32 mask beside bfloat16 queries). Derived once
+        per step (every layer reads the same one; repeating it in each layer cost ~1.5 ms of a 30 ms step)."""
+        key = (rep, dtype)
+        if key not in self.derived:
             mask = self.mask.repeat(1, 1, rep, 1) if rep > 1 else self.mask
-            self.derived[rep] = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
+            self.derived[key] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
                 ~mask, float("-inf"))
-        return self.derived[rep]
+        return self.derived[key]
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,8 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     The head-major cache gathers every (KV head, request) context contiguous, so the batched products
     read it in place: over [R, Hkv] of a slot-major cache they first copied the whole context into
-    head-major order (K twice: once transposed) in every layer, most of a decode step's attention."""
+    head-major order (K twice: once transposed) in every layer, most of a decode step's attention.
+    invariant=False (a drafter's forward) runs reduced precision through the fused kernel where `fuses`."""
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     rep = heads // kv_heads
     r, nq = group.query_index.shape
@@ -246,26 +249,28 @@ def group_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     # GQA without copying K/V: each KV head's query group on the query axis [Hkv, R, rep*Q, D]
     qp = qp.view(r, nq, kv_heads, rep, d).permute(2, 0, 3, 1, 4).reshape(kv_heads, r, rep * nq, d)
     kp, vp = context_kv(k_cache, group, block_size), context_kv(v_cache, group, block_size)  # [Hkv, R, K, D]
-    out = _attend(qp, kp, vp, group.grid_mask(rep)[:, 0], invariant=invariant)  # [Hkv, R, rep*Q, D]
+    fused = qp.dtype == torch.float32 or (not invariant and fuses(qp))
+    mask = group.grid_mask(rep, qp.dtype if fused else torch.float32)[:, 0]
+    out = _attend(qp, kp, vp, mask, fused=fused)  # [Hkv, R, rep*Q, D]
     out = out.view(kv_heads, r, rep, nq, d).permute(1, 3, 0, 2, 4).reshape(r * nq, heads, d)  # [R*Q, H, D]
     # a long index, not the bool mask: masking on the device must wait for it to count the rows
     return out if group.dense else out[group.query_rows]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, tile: int = 256,
-            invariant: bool = True) -> torch.Tensor:
+            fused: bool = False) -> torch.Tensor:
     """q [Hkv, R, M, D] against k, v [Hkv, R, K, D] -> [Hkv, R, M, D]; `mask` [R, M, K] (every head's) is
-    float32 0 / -inf added to the scores (the same as filling -inf; made once per step, where a bool mask
-    made float32's fused kernel convert it in every layer). In reduced precision it is written as two
+    0 / -inf added to the scores (the same as filling -inf; made once per step, where a bool mask
+    made float32's fused kernel convert it in every layer), float32 unless fused. In reduced precision it is written as two
     batched matrix products with the softmax in float32, over tiles of query rows: a fused kernel blocks
     its work by the number of queries, so a row's result depended on how many rows shared its forward (a
     verify row rounded differently from the plain step it replaces, a prefill chunk from the same tokens
     chunked otherwise) and greedy outputs drifted. Written out, every row is computed the same way whatever
-    the others are; tiles bound the scores held at once. A drafter's forward (invariant=False) keeps the fused
-    kernel where it is faster (`fuses`): its proposals only decide what the target verifies."""
-    if q.dtype == torch.float32 or (not invariant and fuses(q)):
-        # the mask in the queries' dtype (0 and -inf are exact in any): older PyTorch refuses a float32 one there
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None].to(q.dtype))
+    the others are; tiles bound the scores held at once. float32 (fused=True) keeps the fused kernel, and so
+    does a drafter's forward where it is faster (`group_attention`, `fuses`): its proposals only decide what the
+    target verifies."""
+    if fused:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[None])
     h, r, m, d = q.shape
     kt, vb = k.flatten(0, 1).transpose(1, 2), v.flatten(0, 1)  # views: [Hkv*R, D, K], [Hkv*R, K, D]
     outs = []

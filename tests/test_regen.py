@@ -56,3 +56,9 @@ def test_a_negative_temperature_fails_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match="temperature"):
         regenerate(str(tmp_path / "no-model"), str(tmp_path), str(tmp_path / "x.jsonl"), temperature=-1.0)
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_an_unknown_style_fails_before_the_model_loads(tmp_path):
+    with pytest.raises(ValueError, match="unknown prompt style"):
+        regenerate(str(tmp_path / "no-model"), str(tmp_path), str(tmp_path / "x.jsonl"), style="exam")
+    assert not (tmp_path / "x.jsonl").exists()

@@ -48,6 +48,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--temperature", type=float, default=0.7, help="0: greedy answers (default 0.7, top-p 0.8, top-k 20)")
+    r.add_argument("--style", default="corpus", choices=["corpus", "served", "mixed"],
+                   help="the prompts' wording: the corpus's, served traffic's (boxed math answers, code with tests, "
+                        "open chat instructions), or either at even odds (`train/styles.py`)")
     r.set_defaults(func=run_regen)
     d = sub.add_parser("drafter", help="train a drafter against the frozen target (resumes)")
     d.add_argument("--kind", required=True, choices=["dspark", "dflash", "eagle3", "mtp"])
@@ -118,7 +121,7 @@ def run_regen(args: argparse.Namespace) -> int:
     from dspark.train.regen import regenerate
 
     n = regenerate(args.model, args.corpus, args.out, args.split, args.per_domain, args.max_tokens, args.batch, args.seed,
-                   temperature=args.temperature)
+                   temperature=args.temperature, style=args.style)
     print(f"{n} prompts answered -> {args.out}")
     return 0
 

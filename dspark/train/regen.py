@@ -16,20 +16,25 @@ from both can be concatenated into one training file). Output: JSONL rows `{"dom
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from tqdm import tqdm
 
 from dspark.train.corpus import chat_text, corpus_domains, read_records, shuffled
+from dspark.train.styles import styled
 
 
-def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0) -> list[tuple[str, str]]:
-    """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain."""
+def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0,
+                 style: str = "corpus") -> list[tuple[str, str]]:
+    """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain, worded in `style`
+    (`train/styles.py`)."""
     base = Path(corpus_dir).expanduser()
+    rng = random.Random(seed)
     out = []
     for domain in corpus_domains(base, split):
         records = [r for r in read_records(base / f"{domain}.{split}.jsonl") if "prompt" in r]
-        out += [(domain, chat_text(r["prompt"])) for r in shuffled(records, seed)[:per_domain]]
+        out += [(domain, chat_text(styled(domain, r["prompt"], style, rng))) for r in shuffled(records, seed)[:per_domain]]
     return out
 
 
@@ -43,15 +48,17 @@ def answer_params(temperature: float, max_tokens: int, seed: int):
 
 def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train", per_domain: int = 2000,
                max_tokens: int = 256, batch: int = 64, seed: int = 0, device: str = "cpu",
-               temperature: float = 0.7) -> int:
+               temperature: float = 0.7, style: str = "corpus") -> int:
     """Answer per_domain prompts of every domain into out_path (resuming where it stopped); the
-    number of prompts. temperature 0: greedy answers, else sampled with top-p 0.8, top-k 20."""
+    number of prompts. temperature 0: greedy answers, else sampled with top-p 0.8, top-k 20. style: the
+    prompts' wording (`train/styles.py`)."""
     from dspark.config import EngineConfig
     from dspark.llm import LLM
 
-    answer_params(temperature, max_tokens, seed)  # a bad temperature fails before the model loads
+    answer_params(temperature, max_tokens, seed)  # a bad temperature or style fails before the model loads
+    styled("math", "", style, random.Random(0))
     llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
-    prompts = chat_prompts(corpus_dir, split, per_domain, seed)
+    prompts = chat_prompts(corpus_dir, split, per_domain, seed, style)
     limit = llm.engine.max_model_len - max_tokens
     out = Path(out_path).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)

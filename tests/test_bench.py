@@ -122,6 +122,9 @@ def test_configs_and_workloads(qwen3_dir):
     assert [sp.label for sp in again] == ["none", "dspark:dspark", "none#2", "dspark:dspark#2", "none#3"]
     with pytest.raises(ValueError):
         parse_configs("dspark")
+    with pytest.raises(ValueError, match="share the label 'dspark:static:7'"):  # results are keyed by label
+        parse_configs("dspark:static:7;/runs/stage13/dspark:static:7")
+    assert [sp.label for sp in parse_configs("dspark:static:7;/runs/st13:static:7")] == ["dspark:static:7", "st13:static:7"]
     gates = parse_configs("dspark:dspark;dspark:dspark?select=0;dspark:dspark?select=0")  # gate settings side by side
     assert [sp.label for sp in gates] == ["dspark:dspark", "dspark:dspark?select=0", "dspark:dspark?select=0#2"]
     assert gates[1].policy == "dspark" and gates[1].options == "select=0"

@@ -156,7 +156,12 @@ def parse_configs(text: str) -> list[Spec]:
         policy, _, options = policy.partition("?")
         GateConfig.parse(split_options(options)[0])  # a bad option fails here, before any engine is built
         copy = 1 + sum(1 for sp in out if (sp.drafter, sp.policy, sp.options) == (drafter, policy, options))
-        out.append(Spec(drafter, policy, copy, options))
+        spec = Spec(drafter, policy, copy, options)
+        clash = next((sp for sp in out if sp.label == spec.label), None)
+        if clash is not None:  # results are keyed by label: one would silently replace the other
+            raise ValueError(f"configs {clash.drafter}:{clash.policy} and {item!r} share the label {spec.label!r} (a "
+                             f"directory is labelled by its last component); give the directory another name")
+        out.append(spec)
     return out
 
 

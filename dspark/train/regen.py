@@ -22,7 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark.train.corpus import chat_text, corpus_domains, read_records, shuffled
-from dspark.train.styles import styled
+from dspark.train.styles import check_style, styled
 
 
 def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0,
@@ -56,7 +56,7 @@ def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train",
     from dspark.llm import LLM
 
     answer_params(temperature, max_tokens, seed)  # a bad temperature or style fails before the model loads
-    styled("math", "", style, random.Random(0))
+    check_style(style)
     llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
     prompts = chat_prompts(corpus_dir, split, per_domain, seed, style)
     limit = llm.engine.max_model_len - max_tokens

@@ -63,10 +63,15 @@ def restyle(domain: str, prompt: str, rng: random.Random) -> str:
     return prompt
 
 
-def styled(domain: str, prompt: str, style: str, rng: random.Random) -> str:
-    """One prompt in `style`: as the corpus asks it, in a served wording, or (`mixed`) either, even odds."""
+def check_style(style: str) -> None:
+    """A clear error for a style that is not one of STYLES."""
     if style not in STYLES:
         raise ValueError(f"unknown prompt style {style!r}; expected one of {', '.join(STYLES)}")
+
+
+def styled(domain: str, prompt: str, style: str, rng: random.Random) -> str:
+    """One prompt in `style`: as the corpus asks it, in a served wording, or (`mixed`) either, even odds."""
+    check_style(style)
     if style == "corpus" or (style == "mixed" and rng.random() < 0.5):
         return prompt
     return restyle(domain, prompt, rng)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from dspark.train.styles import STYLES
+
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="train_command", required=True)
@@ -48,7 +50,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch", type=int, default=64)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--temperature", type=float, default=0.7, help="0: greedy answers (default 0.7, top-p 0.8, top-k 20)")
-    r.add_argument("--style", default="corpus", choices=["corpus", "served", "mixed"],
+    r.add_argument("--style", default="corpus", choices=STYLES,
                    help="the prompts' wording: the corpus's, served traffic's (boxed math answers, code with tests, "
                         "open chat instructions), or either at even odds (`train/styles.py`)")
     r.set_defaults(func=run_regen)

@@ -62,3 +62,16 @@ def test_an_unknown_style_fails_before_the_model_loads(tmp_path):
     with pytest.raises(ValueError, match="unknown prompt style"):
         regenerate(str(tmp_path / "no-model"), str(tmp_path), str(tmp_path / "x.jsonl"), style="exam")
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_domains_restrict_the_prompts_and_an_unknown_one_fails_before_the_model_loads(tmp_path):
+    from dspark.train.regen import chat_prompts
+
+    corpus = write_corpus(tmp_path / "corpus")
+    every = chat_prompts(corpus, "train", 3, seed=2)
+    code = chat_prompts(corpus, "train", 3, seed=2, domains=["code"])
+    assert {d for d, _ in every} > {"code"} and code and {d for d, _ in code} == {"code"}
+    assert code == [(d, p) for d, p in every if d == "code"]  # corpus wording draws no randomness
+    with pytest.raises(ValueError, match="unknown domains poetry"):
+        regenerate(str(tmp_path / "no-model"), str(corpus), str(tmp_path / "x.jsonl"), domains=["code", "poetry"])
+    assert not (tmp_path / "x.jsonl").exists()

@@ -53,6 +53,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     r.add_argument("--style", default="corpus", choices=STYLES,
                    help="the prompts' wording: the corpus's, served traffic's (boxed math answers, code with tests, "
                         "open chat instructions), or either at even odds (`train/styles.py`)")
+    r.add_argument("--domains", type=lambda v: [d.strip() for d in v.split(",") if d.strip()], default=None,
+                   help="comma-separated domains to answer (default: every domain the corpus has), e.g. code")
     r.set_defaults(func=run_regen)
     d = sub.add_parser("drafter", help="train a drafter against the frozen target (resumes)")
     d.add_argument("--kind", required=True, choices=["dspark", "dflash", "eagle3", "mtp"])
@@ -123,7 +125,7 @@ def run_regen(args: argparse.Namespace) -> int:
     from dspark.train.regen import regenerate
 
     n = regenerate(args.model, args.corpus, args.out, args.split, args.per_domain, args.max_tokens, args.batch, args.seed,
-                   temperature=args.temperature, style=args.style)
+                   temperature=args.temperature, style=args.style, domains=args.domains)
     print(f"{n} prompts answered -> {args.out}")
     return 0
 

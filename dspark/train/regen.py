@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,14 +26,26 @@ from dspark.train.corpus import chat_text, corpus_domains, read_records, shuffle
 from dspark.train.styles import check_style, styled
 
 
+def chosen_domains(corpus_dir: str | Path, split: str, domains: Sequence[str] | None = None) -> list[str]:
+    """The corpus's domains for `split`, or those of `domains` (a clear error naming any the corpus lacks)."""
+    have = corpus_domains(corpus_dir, split)
+    if domains is None:
+        return have
+    missing = [d for d in domains if d not in have]
+    if missing or not domains:
+        raise ValueError(f"unknown domains {', '.join(missing) or '(none given)'} for the {split} split; "
+                         f"the corpus has {', '.join(have)}")
+    return [d for d in have if d in domains]
+
+
 def chat_prompts(corpus_dir: str | Path, split: str, per_domain: int, seed: int = 0,
-                 style: str = "corpus") -> list[tuple[str, str]]:
-    """(domain, rendered prompt) pairs: up to per_domain chat-form records per domain, worded in `style`
-    (`train/styles.py`)."""
+                 style: str = "corpus", domains: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """(domain, rendered prompt) pairs: up to per_domain chat-form records of each domain (every domain the
+    corpus has, or `domains`), worded in `style` (`train/styles.py`)."""
     base = Path(corpus_dir).expanduser()
     rng = random.Random(seed)
     out = []
-    for domain in corpus_domains(base, split):
+    for domain in chosen_domains(base, split, domains):
         records = [r for r in read_records(base / f"{domain}.{split}.jsonl") if "prompt" in r]
         out += [(domain, chat_text(styled(domain, r["prompt"], style, rng))) for r in shuffled(records, seed)[:per_domain]]
     return out
@@ -48,17 +61,18 @@ def answer_params(temperature: float, max_tokens: int, seed: int):
 
 def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train", per_domain: int = 2000,
                max_tokens: int = 256, batch: int = 64, seed: int = 0, device: str = "cpu",
-               temperature: float = 0.7, style: str = "corpus") -> int:
-    """Answer per_domain prompts of every domain into out_path (resuming where it stopped); the
-    number of prompts. temperature 0: greedy answers, else sampled with top-p 0.8, top-k 20. style: the
+               temperature: float = 0.7, style: str = "corpus", domains: Sequence[str] | None = None) -> int:
+    """Answer per_domain prompts of every domain (or of `domains`) into out_path (resuming where it stopped);
+    the number of prompts. temperature 0: greedy answers, else sampled with top-p 0.8, top-k 20. style: the
     prompts' wording (`train/styles.py`)."""
     from dspark.config import EngineConfig
     from dspark.llm import LLM
 
     answer_params(temperature, max_tokens, seed)  # a bad temperature or style fails before the model loads
     check_style(style)
+    chosen_domains(corpus_dir, split, domains)  # an unknown domain, too
     llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
-    prompts = chat_prompts(corpus_dir, split, per_domain, seed, style)
+    prompts = chat_prompts(corpus_dir, split, per_domain, seed, style, domains)
     limit = llm.engine.max_model_len - max_tokens
     out = Path(out_path).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)

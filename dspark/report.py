@@ -60,8 +60,13 @@ def machine_line(m: dict[str, Any]) -> str:
     return f"{m['cpu']} ({'; '.join(p for p in parts if p)})"
 
 
+RUN_ENV = ("DSPARK_DTYPE", "DSPARK_PROFILE_DIR")  # settings that change what a run computes, so its command names them
+
+
 def command_line() -> str:
-    return "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    """The command as typed, after the environment settings of RUN_ENV that were set (never a secret)."""
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in RUN_ENV if os.environ.get(k)]
+    return " ".join([*env, "dspark", *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def stamp() -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Report headers name the machine well enough to tell two CPUs of one brand name apart."""
+"""Report headers name the machine well enough to tell two CPUs of one brand name apart, and the command with
+the environment settings that change what it computes."""
 
 from __future__ import annotations
 
@@ -26,3 +27,15 @@ def test_machine_line_lists_what_is_known():
     assert machine_line({"cpu": "AMD EPYC", "cores": 2}) == "AMD EPYC (2 cores)"
     assert machine_line({"cpu": "X", "cpu_id": "family 6, model 143", "isa": "amx_bf16", "cores": 16,
                          "gpu": "NVIDIA H100"}) == "X (family 6, model 143; amx_bf16; 16 cores; NVIDIA H100)"
+
+
+def test_the_command_names_the_settings_that_change_a_run(monkeypatch):
+    from dspark.report import command_line
+
+    monkeypatch.setattr("sys.argv", ["dspark", "calibrate", "--out", "a b"])
+    monkeypatch.delenv("DSPARK_DTYPE", raising=False)
+    monkeypatch.delenv("DSPARK_PROFILE_DIR", raising=False)
+    monkeypatch.setenv("DSPARK_API_KEY", "secret")
+    assert command_line() == "dspark calibrate --out 'a b'"
+    monkeypatch.setenv("DSPARK_DTYPE", "bfloat16")
+    assert command_line() == "DSPARK_DTYPE=bfloat16 dspark calibrate --out 'a b'"

@@ -70,9 +70,8 @@ def regenerate(model: str, corpus_dir: str, out_path: str, split: str = "train",
 
     answer_params(temperature, max_tokens, seed)  # a bad temperature or style fails before the model loads
     check_style(style)
-    chosen_domains(corpus_dir, split, domains)  # an unknown domain, too
+    prompts = chat_prompts(corpus_dir, split, per_domain, seed, style, domains)  # an unknown domain fails here too
     llm = LLM(model, EngineConfig(device=device, max_num_seqs=batch, max_num_batched_tokens=2048))
-    prompts = chat_prompts(corpus_dir, split, per_domain, seed, style, domains)
     limit = llm.engine.max_model_len - max_tokens
     out = Path(out_path).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
